@@ -1,0 +1,168 @@
+"""Test matrix: real vLLM at two pins, with and without the upstream seam.
+
+    nox                      # what CI runs: lint + the four test sessions below
+    nox -s tests-release     # vLLM from pins/release-tag.txt, no seam   -> compat path
+    nox -s tests-main        # vLLM from pins/main-verified.txt, no seam -> compat path
+    nox -s tests-release-seam  # same vLLM + upstream_patch/ applied     -> shim path
+    nox -s tests-main-seam
+    nox -s lint              # pre-commit: ruff check, ruff format --check, mypy, docs links
+    nox -s smoke / sim / bench / mutation / soak / vllm-own-tests / seam-reach
+
+Every test session builds its own virtualenv from pins/*.txt and requirements/*.txt; nothing is
+installed by hand. Versions are read from the pin files at run time (tools/pins.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "tools"))
+from pins import PinError, read_pin  # noqa: E402
+
+nox.options.sessions = [
+    "lint",
+    "tests-release",
+    "tests-main",
+    "tests-release-seam",
+    "tests-main-seam",
+]
+nox.options.error_on_missing_interpreters = True
+
+PIN_OF_SESSION = {"release": "release-tag", "main": "main-verified"}
+
+
+def install_pinned_vllm(session: nox.Session, pin_name: str, seam: bool = False):
+    """Install the CPU runtime, the pinned vLLM (--no-deps) and this package into the venv.
+
+    A pin that pip cannot install fails the session with one line naming the pin file; pip's own
+    output goes to a log file beside the venv.
+    """
+    try:
+        pin = read_pin(pin_name)
+    except PinError as exc:
+        session.error(str(exc))
+    session.install("--no-deps", "-r", "requirements/test-cpu.txt")
+    session.install("-r", "requirements/test-tools.txt")
+    log = Path(session.virtualenv.location) / "pip-install-vllm.log"
+    python = str(Path(session.bin) / "python")
+    session.log(f"installing {pin.label}")
+    with open(log, "w") as out:
+        result = subprocess.run(
+            [python, "-m", "pip", "install", "--no-deps", pin.requirement],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    if result.returncode != 0:
+        session.error(
+            f"pin file {pin.path}: pip cannot install {pin.requirement!r} "
+            f"(no such vLLM release or source?); pip's log: {log}"
+        )
+    session.install("--no-deps", "-e", ".")
+    if seam:
+        apply_seam(session)
+    session.env["VLLM_BALANCE_PIN"] = pin_name
+    session.env["VLLM_BALANCE_SEAM"] = "1" if seam else "0"
+    return pin
+
+
+def apply_seam(session: nox.Session) -> None:
+    """Apply upstream_patch/'s seam to the vLLM installed in this session's venv."""
+    session.run("python", "upstream_patch/apply.py", "installed")
+
+
+def run_tests(session: nox.Session, pin_name: str, seam: bool) -> None:
+    install_pinned_vllm(session, pin_name, seam=seam)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "not slow",
+        *session.posargs,
+    )
+
+
+@nox.session(name="tests-release")
+def tests_release(session: nox.Session) -> None:
+    run_tests(session, "release-tag", seam=False)
+
+
+@nox.session(name="tests-main")
+def tests_main(session: nox.Session) -> None:
+    run_tests(session, "main-verified", seam=False)
+
+
+@nox.session(name="tests-release-seam")
+def tests_release_seam(session: nox.Session) -> None:
+    run_tests(session, "release-tag", seam=True)
+
+
+@nox.session(name="tests-main-seam")
+def tests_main_seam(session: nox.Session) -> None:
+    run_tests(session, "main-verified", seam=True)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("pre-commit==4.7.0")
+    session.run("pre-commit", "run", "--all-files", "--show-diff-on-failure")
+
+
+@nox.session
+def smoke(session: nox.Session) -> None:
+    """Build a real Scheduler at each pin and print a one-line report per pin."""
+    for pin_name in ("release-tag", "main-verified"):
+        install_pinned_vllm(session, pin_name)
+        session.run("python", "-m", "vllm_balance.smoke")
+
+
+@nox.session
+def sim(session: nox.Session) -> None:
+    """The main job: the DP balance simulator on the release-tag vLLM (args after --)."""
+    install_pinned_vllm(session, os.environ.get("VLLM_BALANCE_PIN", "release-tag"))
+    session.install("-r", "requirements/sim.txt")
+    session.run("python", "-m", "vllm_balance.sim", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks, reported as ratios measured in one run (see docs/results.md)."""
+    install_pinned_vllm(session, os.environ.get("VLLM_BALANCE_PIN", "release-tag"))
+    session.run("python", "benchmarks/run.py", *session.posargs)
+
+
+@nox.session
+def mutation(session: nox.Session) -> None:
+    """Deliberately wrong variants that the suite must kill (kill table: docs/mutation.md)."""
+    install_pinned_vllm(session, "release-tag")
+    session.run("python", "tests/mutation/run.py", *session.posargs)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """Randomized multi-process traces (DP 2..4) through the real DP busy loop."""
+    install_pinned_vllm(session, "release-tag")
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-m", "slow", *session.posargs)
+
+
+@nox.session(name="vllm-own-tests")
+def vllm_own_tests(session: nox.Session) -> None:
+    """vLLM's own tests/v1/core/test_scheduler.py, patched vs unpatched, at both pins."""
+    for pin_name in ("release-tag", "main-verified"):
+        install_pinned_vllm(session, pin_name)
+        session.run("python", "upstream_patch/run_vllm_tests.py", *session.posargs)
+
+
+@nox.session(name="seam-reach")
+def seam_reach(session: nox.Session) -> None:
+    """Apply the seam to every vLLM release from the release tag to the newest; record a table."""
+    install_pinned_vllm(session, "release-tag")
+    session.run("python", "upstream_patch/reach.py", *session.posargs)

@@ -1,0 +1,238 @@
+"""Activation: plugin, run_engine_core wrapper, engine-core swap, scheduler selection.
+
+The child-process tests start engine cores exactly as vLLM's launcher does (target
+``EngineCoreProc.run_engine_core``, spawn and fork) and read what the child really built.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import vllm.v1.engine.core as core_module
+from engine_probe import HandshakeProbe, install_probe, launch_engine_core
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
+
+import vllm_balance
+from vllm_balance import activation, factories, plugin, registry
+from vllm_balance.shim.engine_core import BalanceDPEngineCoreProc
+from vllm_balance.shim.scheduler import BalanceSchedulerMixin
+
+ENABLED = {"enable_balance_scheduling": True}
+UPSTREAM_RUN_ENGINE_CORE = EngineCoreProc.__dict__["run_engine_core"]
+
+
+@pytest.fixture(autouse=True)
+def restore_patches():
+    yield
+    registry.uninstall_all()
+    assert core_module.DPEngineCoreProc is DPEngineCoreProc
+    assert EngineCoreProc.__dict__["run_engine_core"] is UPSTREAM_RUN_ENGINE_CORE
+
+
+def dp_config(moe=True, dp=2, additional_config=ENABLED, **kwargs):
+    return factories.make_vllm_config(
+        moe=moe, data_parallel_size=dp, additional_config=dict(additional_config), **kwargs
+    )
+
+
+# Registry and plugin
+
+
+def test_every_patch_is_documented_and_reversible():
+    for patch in registry.ALL_PATCHES:
+        assert all([patch.why, patch.how, patch.related_pr, patch.future_plan]), patch.name
+        before = patch.current()
+        patch.install()
+        assert patch.is_installed() and patch.current() is not before
+        patch.uninstall()
+        assert patch.current() is before
+
+
+def test_plugin_with_balance_off_leaves_every_upstream_class_identical():
+    import vllm.v1.core.sched.async_scheduler as async_module
+    import vllm.v1.core.sched.scheduler as scheduler_module
+
+    plugin.register()
+    assert activation.activate_for(dp_config(additional_config={})) is False
+    assert scheduler_module.Scheduler is Scheduler
+    assert async_module.AsyncScheduler is AsyncScheduler
+    assert core_module.DPEngineCoreProc is DPEngineCoreProc
+    assert core_module.EngineCoreProc is EngineCoreProc
+
+
+def test_plugin_is_declared_as_a_vllm_general_plugin():
+    from importlib.metadata import entry_points
+
+    [entry] = [e for e in entry_points(group="vllm.general_plugins") if e.value.startswith("vllm_balance")]
+    assert entry.load() is plugin.register
+
+
+# Activation decisions (in process)
+
+
+def test_balance_on_swaps_engine_core_and_selects_the_balance_scheduler():
+    config = dp_config()
+    assert activation.activate_for(config) is True
+    assert core_module.DPEngineCoreProc is BalanceDPEngineCoreProc
+    assert config.scheduler_config.scheduler_cls is vllm_balance.BalanceScheduler
+
+
+def test_balance_off_restores_upstream_engine_core_and_leaves_config_alone():
+    activation.activate_for(dp_config())
+    config = dp_config(additional_config={})
+    assert activation.activate_for(config) is False
+    assert core_module.DPEngineCoreProc is DPEngineCoreProc
+    assert config.scheduler_config.scheduler_cls is None
+
+
+def test_async_scheduling_gets_the_async_balance_scheduler():
+    config = dp_config(async_scheduling=True)
+    activation.activate_for(config)
+    chosen = config.scheduler_config.scheduler_cls
+    assert issubclass(chosen, AsyncScheduler) and issubclass(chosen, BalanceSchedulerMixin)
+
+
+def test_balance_aware_user_scheduler_cls_is_kept():
+    class MyBalanceScheduler(BalanceSchedulerMixin, Scheduler):
+        pass
+
+    config = dp_config(scheduler_cls=MyBalanceScheduler)
+    activation.activate_for(config)
+    assert config.scheduler_config.scheduler_cls is MyBalanceScheduler
+
+
+@pytest.mark.parametrize("async_first", [True, False], ids=["async-imported-first", "ours-first"])
+def test_async_scheduler_gets_balance_whatever_the_import_order(async_first):
+    imports = ["import vllm.v1.core.sched.async_scheduler", "import vllm_balance.selection"]
+    code = "\n".join(imports if async_first else imports[::-1]) + textwrap.dedent(
+        """
+        import torch
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm_balance import factories
+        from vllm_balance.selection import balance_counterpart
+        cls = balance_counterpart(AsyncScheduler)
+        assert issubclass(cls, AsyncScheduler), cls.__mro__
+        s = factories.make_scheduler(cls, data_parallel_size=2, max_num_seqs=2,
+                                     additional_config={"enable_balance_scheduling": True})
+        factories.add_requests(s, factories.make_requests(3))
+        s.balance_queue = [torch.tensor([2], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)]
+        assert s.schedule().scheduled_new_reqs == [], "gate did not apply"
+        print("OK", cls.__name__)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+# Engine-core children started the way vLLM's launcher starts them
+
+
+def test_upstream_run_engine_core_resolves_dp_engine_core_by_name_at_call_time(tmp_path, monkeypatch):
+    """Load-bearing assumption of the activation: checked by behaviour, not by source text."""
+
+    class ProbeDPEngineCoreProc(DPEngineCoreProc):
+        pass
+
+    report = str(tmp_path / "report.json")
+    monkeypatch.setattr(EngineCoreProc, "_perform_handshakes", EngineCoreProc._perform_handshakes)
+    install_probe(report)  # the fork child inherits it
+    core_module.DPEngineCoreProc = ProbeDPEngineCoreProc
+    try:
+        result = launch_engine_core("fork", dp_config(additional_config={}), report)
+    finally:
+        core_module.DPEngineCoreProc = DPEngineCoreProc
+    assert result["engine_core"] == "ProbeDPEngineCoreProc"
+
+
+@pytest.fixture
+def forked_probe(tmp_path, monkeypatch):
+    """Install the handshake probe for fork children; restore upstream's afterwards."""
+    monkeypatch.setattr(EngineCoreProc, "_perform_handshakes", EngineCoreProc._perform_handshakes)
+    report = str(tmp_path / "report.json")
+    install_probe(report)
+    return report
+
+
+def test_fork_child_runs_balance_engine_core_and_scheduler(forked_probe):
+    plugin.register()
+    result = launch_engine_core("fork", dp_config(), forked_probe)
+    assert result["engine_core"] == "BalanceDPEngineCoreProc"
+    assert result["scheduler_cls"] == vllm_balance.BalanceScheduler.__name__
+    assert result["run_engine_core"] == "vllm_balance.activation"
+
+
+@pytest.mark.parametrize(
+    "config_kwargs, engine_core",
+    [(dict(additional_config={}), "DPEngineCoreProc"), (dict(moe=False), "EngineCoreProc")],
+    ids=["balance-off", "dense-model"],
+)
+def test_fork_child_without_effective_balance_is_untouched(forked_probe, config_kwargs, engine_core):
+    plugin.register()
+    result = launch_engine_core("fork", dp_config(**config_kwargs), forked_probe)
+    assert result["engine_core"] == engine_core
+    assert result["scheduler_cls"] is None
+
+
+def test_spawn_child_runs_balance_engine_core_and_async_scheduler(tmp_path):
+    # One spawn child (a fresh interpreter costs seconds); the fork tests cover the sync class.
+    plugin.register()  # the front end loads plugins before it launches engine cores
+    report = str(tmp_path / "report.json")
+    config = dp_config(
+        additional_config={**ENABLED, "_probe": HandshakeProbe(report)}, async_scheduling=True
+    )
+    result = launch_engine_core("spawn", config, report)
+    assert result["engine_core"] == "BalanceDPEngineCoreProc"
+    assert "BalanceSchedulerMixin" in result["scheduler_bases"]
+    assert result["scheduler_is_async"] is True
+    assert result["run_engine_core"] == "vllm_balance.activation"
+
+
+# Validation (clear messages)
+
+
+def test_pd_disaggregated_is_refused(monkeypatch):
+    from vllm.config import KVTransferConfig
+
+    config = dp_config()
+    monkeypatch.setattr(
+        config, "kv_transfer_config", KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer")
+    )
+    with pytest.raises(ValueError) as excinfo:
+        activation.activate_for(config)
+    assert str(excinfo.value) == (
+        "balance scheduling supports PD-mixed mode only; kv_transfer_config.kv_role="
+        "'kv_producer' (PD-disaggregated) cannot enable enable_balance_scheduling"
+    )
+    assert core_module.DPEngineCoreProc is DPEngineCoreProc
+
+
+def test_foreign_scheduler_cls_is_refused_with_how_to_combine():
+    class OtherScheduler(Scheduler):
+        pass
+
+    with pytest.raises(ValueError, match="balance scheduling needs its own scheduler") as excinfo:
+        activation.activate_for(dp_config(scheduler_cls=OtherScheduler))
+    assert "BalanceSchedulerMixin" in str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    "config_kwargs, message",
+    [
+        (dict(dp=1), "data_parallel_size=1: it has no effect without data parallelism"),
+        (dict(moe=False), "the model is not MoE: vLLM runs dense DP ranks as independent engines"),
+    ],
+    ids=["dp1", "dense"],
+)
+def test_balance_that_cannot_act_warns_and_installs_nothing(caplog, config_kwargs, message):
+    config = dp_config(**config_kwargs)
+    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+        assert activation.activate_for(config) is False
+    assert message in caplog.text
+    assert core_module.DPEngineCoreProc is DPEngineCoreProc
+    assert config.scheduler_config.scheduler_cls is None

@@ -1,0 +1,237 @@
+"""The behaviour contract (BRIEF.md), items 1-4, on the scheduler the installed vLLM gets.
+
+Runs unchanged on every path: compat (no seam) and shim (seam sessions).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import session_has_seam
+
+import vllm_balance
+from vllm_balance import factories
+
+CAP = 4
+ENABLED = {"enable_balance_scheduling": True}
+
+
+def balance_scheduler(dp_size: int = 2, enabled: bool = True, **kwargs):
+    return factories.make_scheduler(
+        vllm_balance.BalanceScheduler,
+        data_parallel_size=dp_size,
+        max_num_seqs=kwargs.pop("max_num_seqs", CAP),
+        additional_config=ENABLED if enabled else {},
+        **kwargs,
+    )
+
+
+def upstream_scheduler(**kwargs):
+    return factories.make_scheduler(max_num_seqs=kwargs.pop("max_num_seqs", CAP), **kwargs)
+
+
+def admitted(scheduler_output) -> list[str]:
+    return [r.req_id for r in scheduler_output.scheduled_new_reqs]
+
+
+def with_waiting(scheduler, n: int = 6, start: int = 0):
+    factories.add_requests(scheduler, factories.make_requests(n, start=start))
+    return scheduler
+
+
+def set_gathered(scheduler, counts):
+    scheduler.balance_queue = [torch.tensor([c], dtype=torch.int32) for c in counts]
+
+
+def test_session_runs_the_path_its_seam_flag_says():
+    expected = {True: "shim", False: "compat", None: None}[session_has_seam()]
+    if expected is None:
+        pytest.skip("not running under a nox session")
+    assert vllm_balance.active_path() == expected
+
+
+# Contract 1: leader at cap => global freeze, compared with == against the configured cap.
+
+
+def test_contract1_leader_at_cap_freezes_admission_on_this_rank():
+    scheduler = with_waiting(balance_scheduler())
+    set_gathered(scheduler, [0, CAP])
+    out = scheduler.schedule()
+    assert admitted(out) == [] and out.total_num_scheduled_tokens == 0
+    assert len(scheduler.waiting) == 6
+
+
+def test_contract1_leader_at_cap_minus_one_does_not_freeze():
+    scheduler = with_waiting(balance_scheduler())
+    set_gathered(scheduler, [0, CAP - 1])
+    upstream = with_waiting(upstream_scheduler())
+    assert admitted(scheduler.schedule()) == admitted(upstream.schedule()) == [
+        f"req-{i}" for i in range(CAP)
+    ]
+
+
+def test_contract1_is_not_catch_up_to_the_leader():
+    # Leader at cap-1: "catch up" would cap this rank at 3; the contract admits up to the cap.
+    scheduler = with_waiting(balance_scheduler())
+    set_gathered(scheduler, [0, CAP - 1])
+    assert len(admitted(scheduler.schedule())) == CAP
+
+
+def test_contract1_freeze_applies_to_every_rank_with_the_same_vector():
+    ranks = [with_waiting(balance_scheduler(dp_size=3)) for _ in range(3)]
+    for scheduler in ranks:
+        set_gathered(scheduler, [1, CAP, 0])
+    assert [admitted(s.schedule()) for s in ranks] == [[], [], []]
+
+
+def test_contract1_frozen_rank_keeps_decoding_its_running_requests():
+    scheduler = with_waiting(balance_scheduler(), n=2)
+    set_gathered(scheduler, [0, 0])
+    factories.step(scheduler)
+    with_waiting(scheduler, n=2, start=2)
+    set_gathered(scheduler, [2, CAP])
+    out = scheduler.schedule()
+    assert admitted(out) == []
+    assert out.num_scheduled_tokens == {"req-0": 1, "req-1": 1}
+
+
+def test_contract1_gate_is_decided_once_per_step_from_balance_queue():
+    scheduler = with_waiting(balance_scheduler())
+    set_gathered(scheduler, [CAP, 0])
+    scheduler.schedule()
+    assert scheduler.admission_frozen is True
+    set_gathered(scheduler, [0, 0])  # tools may set balance_queue directly between steps
+    assert admitted(scheduler.schedule()) == [f"req-{i}" for i in range(CAP)]
+    assert scheduler.admission_frozen is False
+
+
+# Contract 2: gate open => the same SchedulerOutput as upstream, step by step.
+
+
+def run_side_by_side(balance, upstream, steps: int, gathered=None):
+    for step_index in range(steps):
+        if gathered is not None:
+            set_gathered(balance, gathered)
+        ours, _ = factories.step(balance)
+        theirs, _ = factories.step(upstream)
+        difference = factories.first_difference(
+            factories.describe(ours), factories.describe(theirs)
+        )
+        assert difference is None, f"step {step_index}: {difference}"
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["gate-open", "disabled"])
+def test_contract2_same_outputs_as_upstream_over_a_multistep_run(enabled):
+    kwargs = dict(num_gpu_blocks=64, max_num_batched_tokens=96, enable_prefix_caching=True)
+    balance = balance_scheduler(enabled=enabled, **kwargs)
+    upstream = upstream_scheduler(**kwargs)
+    specs = factories.request_specs(12, prompt_len=70, max_tokens=9, shared_prefix=range(1, 33))
+    for scheduler in (balance, upstream):
+        factories.add_requests(scheduler, [factories.make_request(s) for s in specs])
+    run_side_by_side(balance, upstream, steps=40, gathered=[CAP - 1, 0] if enabled else None)
+    assert not balance.has_unfinished_requests() and not upstream.has_unfinished_requests()
+
+
+# Contract 3: one all_gather per balance_gather(), payload len(running), the injected group.
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gloo_groups(world_size: int):
+    """A real gloo group per rank, created concurrently (each rank blocks until all join)."""
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    port, groups = free_port(), [None] * world_size
+
+    def join(rank: int) -> None:
+        groups[rank] = stateless_init_torch_distributed_process_group(
+            "127.0.0.1", port, rank, world_size, backend="gloo"
+        )
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return groups
+
+
+class AllGatherSpy:
+    """Counts calls to torch.distributed.all_gather and forwards them to the real one."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[tuple[int, object]] = []
+        self._real = dist.all_gather
+        monkeypatch.setattr(dist, "all_gather", self)
+
+    def __call__(self, tensor_list, tensor, group=None, async_op=False):
+        self.calls.append((int(tensor.item()), group))
+        return self._real(tensor_list, tensor, group=group, async_op=async_op)
+
+
+def test_contract3_one_all_gather_of_len_running_on_the_injected_group(monkeypatch):
+    spy = AllGatherSpy(monkeypatch)
+    ranks = [with_waiting(balance_scheduler(), n=n) for n in (3, 1)]
+    for scheduler in ranks:
+        set_gathered(scheduler, [0, 0])
+        factories.step(scheduler)  # 3 and 1 running
+    assert spy.calls == []  # schedule() never gathers (lesson A)
+    groups = gloo_groups(2)
+    for scheduler, group in zip(ranks, groups):
+        scheduler.dp_group = group
+    threads = [threading.Thread(target=s.balance_gather) for s in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(spy.calls, key=lambda c: c[0]) == [(1, groups[1]), (3, groups[0])]
+    for scheduler in ranks:
+        assert [int(t.item()) for t in scheduler.balance_queue] == [3, 1]
+        assert all(t.dtype == torch.int32 and t.device.type == "cpu" for t in scheduler.balance_queue)
+
+
+def test_contract3_gather_is_a_noop_until_a_group_is_injected(monkeypatch):
+    spy = AllGatherSpy(monkeypatch)
+    scheduler = balance_scheduler()
+    scheduler.balance_gather()
+    assert spy.calls == []
+
+
+# Contract 4: disabled path untouched.
+
+
+def test_contract4_disabled_allocates_nothing_and_never_gathers(monkeypatch):
+    spy = AllGatherSpy(monkeypatch)
+    scheduler = with_waiting(balance_scheduler(enabled=False))
+    assert not hasattr(scheduler, "balance_queue")
+    [group] = gloo_groups(1)
+    scheduler.dp_group = group
+    for _ in range(5):
+        factories.step(scheduler)
+        scheduler.balance_gather()
+    assert spy.calls == []
+    assert not hasattr(scheduler, "balance_queue")
+
+
+def test_contract4_disabled_schedule_delegates_to_upstream(monkeypatch):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    calls = []
+    real = Scheduler.schedule
+
+    def recording(self, throttle_prefills=False):
+        calls.append(throttle_prefills)
+        return real(self, throttle_prefills)
+
+    monkeypatch.setattr(Scheduler, "schedule", recording)
+    scheduler = with_waiting(balance_scheduler(enabled=False))
+    scheduler.schedule(throttle_prefills=True)
+    assert calls == [True]

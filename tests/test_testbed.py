@@ -1,0 +1,88 @@
+"""The test bed itself: the pinned vLLM is the one imported, and real schedulers run on CPU."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import session_pin_name
+from pins import PinError, read_pin
+
+from vllm_balance import factories
+
+
+def test_session_imports_the_vllm_its_pin_file_names():
+    import vllm
+
+    name = session_pin_name()
+    if name is None:
+        pytest.skip("not running under a nox session (VLLM_BALANCE_PIN unset)")
+    pin = read_pin(name)
+    if pin.version is None:
+        pytest.skip(f"{pin.label} is not an exact version; nothing to compare")
+    assert vllm.__version__ == pin.version, f"{pin.label} but imported vllm {vllm.__version__}"
+
+
+@pytest.mark.parametrize("name", ["release-tag", "main-verified"])
+def test_pin_files_hold_one_exact_vllm_requirement(name):
+    pin = read_pin(name)
+    assert pin.requirement == f"vllm=={pin.version}"
+
+
+def test_pin_accepts_a_bare_version_and_a_full_requirement(tmp_path):
+    bare = tmp_path / "bare.txt"
+    bare.write_text("# comment\n0.24.0\n")
+    assert read_pin("release-tag", bare).requirement == "vllm==0.24.0"
+    url = tmp_path / "url.txt"
+    url.write_text("vllm @ git+https://github.com/vllm-project/vllm@e5588e49\n")
+    pin = read_pin("main-verified", url)
+    assert pin.version is None and pin.requirement.startswith("vllm @ git+")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("# only comments\n", "exactly one pip requirement"), ("torch==2.13.0\n", "not a requirement")],
+)
+def test_bad_pin_file_is_one_clear_error_naming_the_file(tmp_path, text, message):
+    path = tmp_path / "pin.txt"
+    path.write_text(text)
+    with pytest.raises(PinError, match=message) as excinfo:
+        read_pin("release-tag", path)
+    assert str(path) in str(excinfo.value) and "\n" not in str(excinfo.value)
+
+
+@pytest.mark.parametrize("moe", [True, False])
+def test_tiny_config_is_moe_only_when_asked(moe):
+    assert factories.make_vllm_config(moe=moe).model_config.is_moe is moe
+
+
+def test_real_scheduler_admits_prefills_decodes_finishes_and_frees_blocks():
+    scheduler = factories.make_scheduler(max_num_seqs=4, num_gpu_blocks=512)
+    requests = factories.make_requests(6, prompt_len=40, max_tokens=3)
+    factories.add_requests(scheduler, requests)
+
+    first, _ = factories.step(scheduler)
+    # max_num_seqs caps admission; each admitted prompt is prefilled whole (40 tokens).
+    assert [r.req_id for r in first.scheduled_new_reqs] == ["req-0", "req-1", "req-2", "req-3"]
+    assert first.num_scheduled_tokens == {f"req-{i}": 40 for i in range(4)}
+    assert len(scheduler.waiting) == 2
+
+    second, _ = factories.step(scheduler)
+    # Decode: one token per running request; no room for the waiting two yet.
+    assert second.num_scheduled_tokens == {f"req-{i}": 1 for i in range(4)}
+
+    factories.run_to_completion(scheduler)
+    assert all(r.is_finished() for r in requests)
+    assert [r.num_output_tokens for r in requests] == [3] * 6
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but the null block
+
+
+def test_chunked_prefill_samples_only_when_the_prompt_is_complete():
+    scheduler = factories.make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    [request] = factories.make_requests(1, prompt_len=100, max_tokens=2)
+    scheduler.add_request(request)
+    chunk, _ = factories.step(scheduler)
+    assert chunk.num_scheduled_tokens == {"req-0": 64}
+    assert request.num_output_tokens == 0
+    rest, _ = factories.step(scheduler)
+    assert rest.num_scheduled_tokens == {"req-0": 36}
+    assert request.num_output_tokens == 1

@@ -1,0 +1,61 @@
+"""Read the vLLM pin files (pins/*.txt): the only place a vLLM version is written down.
+
+noxfile.py and the tests both import this module, so a pin advance is one edit in one file.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+PINS_DIR = Path(__file__).resolve().parent.parent / "pins"
+PIN_NAMES = ("release-tag", "main-verified")
+
+_BARE_VERSION = re.compile(r"^\d+(\.\d+)*([a-z0-9.+-]*)$")
+_EXACT_VLLM = re.compile(r"^vllm\s*==\s*(?P<version>[^\s;#]+)$")
+
+
+class PinError(ValueError):
+    """A pin file that is missing, empty or not a vLLM requirement."""
+
+
+@dataclass(frozen=True)
+class Pin:
+    name: str
+    path: Path
+    requirement: str
+    # Exact version when the requirement is "vllm==X"; None for URLs and ranges.
+    version: str | None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.requirement}, from {self.path})"
+
+
+def pin_path(name: str) -> Path:
+    if name not in PIN_NAMES:
+        raise PinError(f"unknown pin {name!r}; known pins: {', '.join(PIN_NAMES)}")
+    return PINS_DIR / f"{name}.txt"
+
+
+def read_pin(name: str, path: Path | None = None) -> Pin:
+    path = path or pin_path(name)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PinError(f"pin file {path} cannot be read: {exc.strerror}") from exc
+    lines = [ln.strip() for ln in text.splitlines()]
+    requirements = [ln for ln in lines if ln and not ln.startswith("#")]
+    if len(requirements) != 1:
+        raise PinError(
+            f"pin file {path} must hold exactly one pip requirement line, "
+            f"found {len(requirements)}"
+        )
+    requirement = requirements[0]
+    if _BARE_VERSION.match(requirement):
+        requirement = f"vllm=={requirement}"
+    if not requirement.lower().startswith("vllm"):
+        raise PinError(f"pin file {path}: {requirement!r} is not a requirement for vllm")
+    exact = _EXACT_VLLM.match(requirement)
+    return Pin(name, path, requirement, exact.group("version") if exact else None)

@@ -1,0 +1,126 @@
+"""Conditional activation in the engine-core process.
+
+``EngineCoreProc.run_engine_core`` (the target vLLM's launcher starts in every engine-core
+process) resolves ``DPEngineCoreProc`` by module-global name at call time and builds the
+scheduler from ``scheduler_config.get_scheduler_cls()``. The wrapper below runs first, with the
+process's ``VllmConfig`` in hand, and decides for this process only:
+
+- balance on (DP > 1, MoE, PD-mixed): ``vllm.v1.engine.core.DPEngineCoreProc`` becomes
+  ``BalanceDPEngineCoreProc`` and the scheduler class becomes the balance counterpart of the one
+  vLLM would build (``Scheduler`` or ``AsyncScheduler``);
+- anything else: the upstream ``DPEngineCoreProc`` is restored and the config is not touched.
+
+NOTE(load-bearing): if upstream ever binds ``DPEngineCoreProc`` at import time (or moves the
+construction out of ``run_engine_core``), the swap silently stops working;
+``tests/test_activation.py`` checks it by behaviour.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_balance.config import balance_enabled
+
+logger = logging.getLogger("vllm_balance")
+
+
+class BalanceConfigError(ValueError):
+    """A configuration that enables balance scheduling but cannot honour it."""
+
+
+def _kv_role(vllm_config: Any) -> str | None:
+    kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+    return getattr(kv_transfer_config, "kv_role", None) if kv_transfer_config else None
+
+
+def balance_applies(vllm_config: Any) -> bool:
+    """Whether balance must be activated for this engine process; raises on impossible configs.
+
+    Warnings (balance requested but it cannot act, so nothing is installed) and errors are the
+    operator-facing validation table of docs/operations.md.
+    """
+    if vllm_config is None or not balance_enabled(vllm_config):
+        return False
+    role = _kv_role(vllm_config)
+    if role in ("kv_producer", "kv_consumer"):
+        raise BalanceConfigError(
+            "balance scheduling supports PD-mixed mode only; kv_transfer_config.kv_role="
+            f"{role!r} (PD-disaggregated) cannot enable enable_balance_scheduling"
+        )
+    parallel_config = vllm_config.parallel_config
+    if parallel_config.data_parallel_size <= 1:
+        logger.warning(
+            "balance scheduling is enabled but data_parallel_size=%d: it has no effect "
+            "without data parallelism; nothing is installed",
+            parallel_config.data_parallel_size,
+        )
+        return False
+    if not vllm_config.model_config.is_moe:
+        logger.warning(
+            "balance scheduling is enabled but the model is not MoE: vLLM runs dense DP ranks "
+            "as independent engines with no cross-rank sync, so balance cannot act; "
+            "nothing is installed"
+        )
+        return False
+    return True
+
+
+def select_scheduler_cls(vllm_config: Any) -> type:
+    """Set the balance scheduler class on this process's config; returns it.
+
+    A user-set ``scheduler_cls`` is kept only if it is already balance-aware: silently replacing
+    it, or silently running it without the gate, would both surprise the operator.
+    """
+    from vllm_balance.selection import balance_counterpart
+    from vllm_balance.shim.scheduler import BalanceSchedulerMixin
+
+    scheduler_config = vllm_config.scheduler_config
+    if scheduler_config.scheduler_cls is not None:
+        user_cls = scheduler_config.get_scheduler_cls()
+        if isinstance(user_cls, type) and issubclass(user_cls, BalanceSchedulerMixin):
+            return user_cls
+        raise BalanceConfigError(
+            f"balance scheduling needs its own scheduler, but scheduler_cls={user_cls!r} is set. "
+            "Either unset scheduler_cls, or derive your scheduler from "
+            "vllm_balance.shim.scheduler.BalanceSchedulerMixin (put it first in the bases) "
+            "and set that class"
+        )
+    upstream_cls = scheduler_config.get_scheduler_cls()
+    balance_cls = balance_counterpart(upstream_cls)
+    if balance_cls is None:
+        raise BalanceConfigError(
+            f"balance scheduling has no counterpart for vLLM's scheduler {upstream_cls!r}"
+        )
+    scheduler_config.scheduler_cls = balance_cls
+    return balance_cls
+
+
+def activate_for(vllm_config: Any) -> bool:
+    """Install or remove balance for this engine process; returns whether it is active."""
+    from vllm_balance.registry import DP_ENGINE_CORE_SWAP
+
+    if not balance_applies(vllm_config):
+        DP_ENGINE_CORE_SWAP.uninstall()
+        return False
+    scheduler_cls = select_scheduler_cls(vllm_config)
+    DP_ENGINE_CORE_SWAP.install()
+    from vllm_balance.selection import active_path
+
+    logger.info(
+        "balance scheduling active: DP=%d, MoE, path=%s, scheduler=%s, engine core=%s",
+        vllm_config.parallel_config.data_parallel_size,
+        active_path(),
+        scheduler_cls.__name__,
+        "BalanceDPEngineCoreProc",
+    )
+    return True
+
+
+def balance_run_engine_core(*args: Any, dp_rank: int = 0, local_dp_rank: int = 0, **kwargs: Any):
+    """Replacement for ``EngineCoreProc.run_engine_core``: decide, then run upstream's."""
+    from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
+
+    activate_for(kwargs.get("vllm_config"))
+    upstream = RUN_ENGINE_CORE_WRAPPER.upstream()
+    return upstream(*args, dp_rank=dp_rank, local_dp_rank=local_dp_rank, **kwargs)

@@ -1,0 +1,1 @@
+"""DP balance simulator (see vllm_balance.sim.__main__)."""
