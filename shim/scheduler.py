@@ -23,7 +23,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_balance.config import balance_enabled
+from vllm_balance.config import balance_enabled, balance_options
+from vllm_balance.shim.stats import BalanceStats, PeriodicLog
 
 
 class BalanceSchedulerMixin:
@@ -33,10 +34,16 @@ class BalanceSchedulerMixin:
     and tests and tools may set it directly. The gate value is therefore derived from it when
     ``schedule()`` starts (once per step: it cannot change during one ``schedule()``), not when
     the gather runs, and not once per WAITING-loop iteration.
+
+    The opt-in bounded hold (``balance_max_frozen_steps``) counts frozen steps where every rank
+    sees the same data, in ``observe_gathered()`` after each gather: a drained rank never enters
+    ``schedule()`` (lesson A), so a count kept there would drift apart across ranks.
     """
 
     # Declared for type checkers: the scheduler attributes the mixin relies on.
     running: list
+    waiting: Any
+    skipped_waiting: Any
     max_num_running_reqs: int
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
@@ -46,8 +53,17 @@ class BalanceSchedulerMixin:
         self.dp_group: Any = None
         self.admission_frozen = False
         if self._balance_enabled:
-            dp_size = vllm_config.parallel_config.data_parallel_size
-            self.balance_queue = [torch.zeros(1, dtype=torch.int32) for _ in range(dp_size)]
+            parallel_config = vllm_config.parallel_config
+            options = balance_options(vllm_config)
+            self.balance_queue = [
+                torch.zeros(1, dtype=torch.int32) for _ in range(parallel_config.data_parallel_size)
+            ]
+            self.balance_stats = BalanceStats()
+            self._dp_rank = parallel_config.data_parallel_rank
+            self._periodic_log = PeriodicLog(options.log_interval_s)
+            self._max_frozen_steps = options.max_frozen_steps
+            self._frozen_streak = 0
+            self._release_next_step = False
 
     def balance_gather(self) -> None:
         """All-gather ``len(self.running)`` into ``balance_queue``; no-op when disabled/no group."""
@@ -55,6 +71,18 @@ class BalanceSchedulerMixin:
             return
         running_count = torch.tensor([len(self.running)], dtype=torch.int32)
         dist.all_gather(self.balance_queue, running_count, group=self.dp_group)
+        self.observe_gathered()
+
+    def observe_gathered(self) -> None:
+        """Account for a freshly gathered ``balance_queue`` (called by the gather and the sim)."""
+        counts = [int(t.item()) for t in self.balance_queue]
+        self.balance_stats.record_gather(counts)
+        if self._max_frozen_steps is not None:
+            at_cap = max(counts) == self.max_num_running_reqs
+            self._frozen_streak = self._frozen_streak + 1 if at_cap else 0
+            self._release_next_step = self._frozen_streak > self._max_frozen_steps
+            if self._release_next_step:
+                self._frozen_streak = 0
 
     def leader_at_cap(self) -> bool:
         """Contract 1: some rank was at the cap at the end of the previous step."""
@@ -62,7 +90,14 @@ class BalanceSchedulerMixin:
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         if self._balance_enabled:
-            self.admission_frozen = self.leader_at_cap()
+            frozen = self.leader_at_cap()
+            released = frozen and self._release_next_step
+            self.admission_frozen = frozen and not released
+            num_waiting = len(self.waiting) + len(self.skipped_waiting)
+            self.balance_stats.record_step(
+                self.admission_frozen, released, num_waiting, self._dp_rank
+            )
+            self._periodic_log.maybe_log(self.balance_stats, self._dp_rank)
         return super().schedule(throttle_prefills)  # type: ignore[misc]
 
     def _should_stop_admitting_waiting(self) -> bool:

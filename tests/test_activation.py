@@ -69,7 +69,9 @@ def test_plugin_with_balance_off_leaves_every_upstream_class_identical():
 def test_plugin_is_declared_as_a_vllm_general_plugin():
     from importlib.metadata import entry_points
 
-    [entry] = [e for e in entry_points(group="vllm.general_plugins") if e.value.startswith("vllm_balance")]
+    [entry] = [
+        e for e in entry_points(group="vllm.general_plugins") if e.value.startswith("vllm_balance")
+    ]
     assert entry.load() is plugin.register
 
 
@@ -121,19 +123,23 @@ def test_async_scheduler_gets_balance_whatever_the_import_order(async_first):
         s = factories.make_scheduler(cls, data_parallel_size=2, max_num_seqs=2,
                                      additional_config={"enable_balance_scheduling": True})
         factories.add_requests(s, factories.make_requests(3))
-        s.balance_queue = [torch.tensor([2], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)]
+        s.balance_queue = [torch.tensor([c], dtype=torch.int32) for c in (2, 0)]
         assert s.schedule().scheduled_new_reqs == [], "gate did not apply"
         print("OK", cls.__name__)
         """
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
 
 # Engine-core children started the way vLLM's launcher starts them
 
 
-def test_upstream_run_engine_core_resolves_dp_engine_core_by_name_at_call_time(tmp_path, monkeypatch):
+def test_upstream_run_engine_core_resolves_dp_engine_core_by_name_at_call_time(
+    tmp_path, monkeypatch
+):
     """Load-bearing assumption of the activation: checked by behaviour, not by source text."""
 
     class ProbeDPEngineCoreProc(DPEngineCoreProc):
@@ -172,7 +178,9 @@ def test_fork_child_runs_balance_engine_core_and_scheduler(forked_probe):
     [(dict(additional_config={}), "DPEngineCoreProc"), (dict(moe=False), "EngineCoreProc")],
     ids=["balance-off", "dense-model"],
 )
-def test_fork_child_without_effective_balance_is_untouched(forked_probe, config_kwargs, engine_core):
+def test_fork_child_without_effective_balance_is_untouched(
+    forked_probe, config_kwargs, engine_core
+):
     plugin.register()
     result = launch_engine_core("fork", dp_config(**config_kwargs), forked_probe)
     assert result["engine_core"] == engine_core
@@ -201,7 +209,9 @@ def test_pd_disaggregated_is_refused(monkeypatch):
 
     config = dp_config()
     monkeypatch.setattr(
-        config, "kv_transfer_config", KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer")
+        config,
+        "kv_transfer_config",
+        KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer"),
     )
     with pytest.raises(ValueError) as excinfo:
         activation.activate_for(config)

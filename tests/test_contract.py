@@ -69,9 +69,11 @@ def test_contract1_leader_at_cap_minus_one_does_not_freeze():
     scheduler = with_waiting(balance_scheduler())
     set_gathered(scheduler, [0, CAP - 1])
     upstream = with_waiting(upstream_scheduler())
-    assert admitted(scheduler.schedule()) == admitted(upstream.schedule()) == [
-        f"req-{i}" for i in range(CAP)
-    ]
+    assert (
+        admitted(scheduler.schedule())
+        == admitted(upstream.schedule())
+        == [f"req-{i}" for i in range(CAP)]
+    )
 
 
 def test_contract1_is_not_catch_up_to_the_leader():
@@ -195,7 +197,9 @@ def test_contract3_one_all_gather_of_len_running_on_the_injected_group(monkeypat
     assert sorted(spy.calls, key=lambda c: c[0]) == [(1, groups[1]), (3, groups[0])]
     for scheduler in ranks:
         assert [int(t.item()) for t in scheduler.balance_queue] == [3, 1]
-        assert all(t.dtype == torch.int32 and t.device.type == "cpu" for t in scheduler.balance_queue)
+        assert all(
+            t.dtype == torch.int32 and t.device.type == "cpu" for t in scheduler.balance_queue
+        )
 
 
 def test_contract3_gather_is_a_noop_until_a_group_is_injected(monkeypatch):

@@ -34,7 +34,9 @@ def dead_links(doc: Path) -> list[str]:
         if not resolved.exists():
             dead.append(f"{doc.relative_to(ROOT)}: dead link {target}")
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
-            dead.append(f"{doc.relative_to(ROOT)}: no heading for #{anchor} in {file_part or doc.name}")
+            dead.append(
+                f"{doc.relative_to(ROOT)}: no heading for #{anchor} in {file_part or doc.name}"
+            )
     return dead
 
 

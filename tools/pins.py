@@ -49,8 +49,7 @@ def read_pin(name: str, path: Path | None = None) -> Pin:
     requirements = [ln for ln in lines if ln and not ln.startswith("#")]
     if len(requirements) != 1:
         raise PinError(
-            f"pin file {path} must hold exactly one pip requirement line, "
-            f"found {len(requirements)}"
+            f"pin file {path} must hold exactly one pip requirement line, found {len(requirements)}"
         )
     requirement = requirements[0]
     if _BARE_VERSION.match(requirement):

@@ -17,12 +17,10 @@ construction out of ``run_engine_core``), the swap silently stops working;
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from vllm_balance.config import balance_enabled
-
-logger = logging.getLogger("vllm_balance")
+from vllm_balance.log import logger
 
 
 class BalanceConfigError(ValueError):

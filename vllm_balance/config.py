@@ -15,11 +15,11 @@ the key and the value, because a silently ignored ``"yes"`` is an outage waiting
 
 from __future__ import annotations
 
-import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger("vllm_balance")
+from vllm_balance.log import logger
 
 ENABLE_KEY = "enable_balance_scheduling"
 DEPRECATED_ENV_VAR = "VLLM_ASCEND_BALANCE_SCHEDULING"
@@ -61,14 +61,18 @@ def _from_ascend_config() -> Any:
     return value
 
 
-def _from_additional_config(vllm_config: Any) -> Any:
+def _additional_value(vllm_config: Any, key: str) -> tuple[str, Any]:
+    """(where, value) of ``key``: the nested ``scheduler_config`` form wins over the top level."""
     additional = _additional_config(vllm_config)
     nested = additional.get("scheduler_config")
-    if isinstance(nested, dict) and ENABLE_KEY in nested:
-        return _checked_bool(f"additional_config.scheduler_config.{ENABLE_KEY}", nested[ENABLE_KEY])
-    if ENABLE_KEY in additional:
-        return _checked_bool(f"additional_config.{ENABLE_KEY}", additional[ENABLE_KEY])
-    return _UNSET
+    if isinstance(nested, dict) and key in nested:
+        return f"additional_config.scheduler_config.{key}", nested[key]
+    return f"additional_config.{key}", additional.get(key, _UNSET)
+
+
+def _from_additional_config(vllm_config: Any) -> Any:
+    where, value = _additional_value(vllm_config, ENABLE_KEY)
+    return value if value is _UNSET else _checked_bool(where, value)
 
 
 def _from_deprecated_env() -> Any:
@@ -100,3 +104,35 @@ def balance_enabled(vllm_config: Any) -> bool:
         if value is not _UNSET:
             return _checked_bool(ENABLE_KEY, value)
     return False
+
+
+LOG_INTERVAL_KEY = "balance_log_interval_s"
+MAX_FROZEN_STEPS_KEY = "balance_max_frozen_steps"
+DEFAULT_LOG_INTERVAL_S = 10.0
+
+
+@dataclass(frozen=True)
+class BalanceOptions:
+    """Tuning keys, read from additional_config like the enable key (nested form wins)."""
+
+    # Seconds between the per-rank log lines; None turns the line off (key set to 0).
+    log_interval_s: float | None = DEFAULT_LOG_INTERVAL_S
+    # Opt-in bounded hold: after this many consecutive frozen steps admission opens for one
+    # step on all ranks. None (the default) is exactly the contract: no bound.
+    max_frozen_steps: int | None = None
+
+
+def balance_options(vllm_config: Any) -> BalanceOptions:
+    where, interval = _additional_value(vllm_config, LOG_INTERVAL_KEY)
+    if interval is _UNSET:
+        interval = DEFAULT_LOG_INTERVAL_S
+    elif isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
+        raise ValueError(
+            f"{where} must be a number of seconds >= 0 (0 turns the log line off), got {interval!r}"
+        )
+    where, bound = _additional_value(vllm_config, MAX_FROZEN_STEPS_KEY)
+    if bound is _UNSET or bound is None:
+        bound = None
+    elif isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+        raise ValueError(f"{where} must be an integer >= 1 (or unset for no bound), got {bound!r}")
+    return BalanceOptions(log_interval_s=float(interval) or None, max_frozen_steps=bound)

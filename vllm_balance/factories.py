@@ -17,13 +17,12 @@ import functools
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 BLOCK_SIZE = 16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_model_dir(moe: bool = True) -> str:
     """Write a tiny HF config (no weights, no tokenizer) once per process and return its dir.
 
@@ -121,7 +120,9 @@ def make_kv_cache_config(num_blocks: int):
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -225,8 +226,7 @@ def model_runner_output(scheduler_output, scheduler, token_id: int = 7):
     # schedule() has already advanced num_computed_tokens and set is_prefill_chunk
     # (_update_after_schedule), so "prompt complete after this step" reads directly.
     sampled = [
-        [] if scheduler.requests[req_id].is_prefill_chunk else [token_id]
-        for req_id in req_ids
+        [] if scheduler.requests[req_id].is_prefill_chunk else [token_id] for req_id in req_ids
     ]
     return ModelRunnerOutput(
         req_ids=req_ids,

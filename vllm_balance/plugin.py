@@ -10,13 +10,13 @@ upstream class stays the identical object.
 
 from __future__ import annotations
 
-import logging
-
-logger = logging.getLogger("vllm_balance")
+from vllm_balance.log import logger
 
 
 def register() -> None:
     from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
 
     RUN_ENGINE_CORE_WRAPPER.install()
-    logger.debug("vllm-balance-scheduling plugin registered (%s wrapped)", RUN_ENGINE_CORE_WRAPPER.name)
+    logger.debug(
+        "vllm-balance-scheduling plugin registered (%s wrapped)", RUN_ENGINE_CORE_WRAPPER.name
+    )

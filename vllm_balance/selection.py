@@ -7,10 +7,9 @@ can appear in a fork under any version number.
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Literal
 
-logger = logging.getLogger("vllm_balance")
+from vllm_balance.log import logger
 
 SEAM_NAME = "_should_stop_admitting_waiting"
 Path = Literal["shim", "compat"]

@@ -27,9 +27,13 @@ def smoke_report(num_requests: int = 64, max_num_seqs: int = 16) -> str:
     finished = sum(r.is_finished() for r in requests)
     tokens = sum(r.num_output_tokens for r in requests)
     elapsed = time.perf_counter() - started
-    ok = finished == num_requests and block_pool.get_num_free_blocks() == block_pool.num_gpu_blocks - 1
+    ok = (
+        finished == num_requests
+        and block_pool.get_num_free_blocks() == block_pool.num_gpu_blocks - 1
+    )
     return (
-        f"{'OK' if ok else 'FAIL'} vllm {vllm.__version__}: real Scheduler, {num_requests} requests "
+        f"{'OK' if ok else 'FAIL'} vllm {vllm.__version__}: real Scheduler, "
+        f"{num_requests} requests "
         f"finished={finished} output_tokens={tokens} steps={steps} "
         f"free_blocks={block_pool.get_num_free_blocks()}/{block_pool.num_gpu_blocks - 1} "
         f"balance path={active_path()} in {elapsed:.2f}s"

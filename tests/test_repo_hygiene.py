@@ -1,0 +1,81 @@
+"""Repository rules that keep the project honest (STYLE.md, DEVELOPERS.md)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def code_lines(path: Path) -> int:
+    """Lines of code: no blanks, comments or docstrings."""
+    source = path.read_text()
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            value = body[0].value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(
+        1
+        for number, line in enumerate(source.splitlines(), 1)
+        if line.strip() and not line.strip().startswith("#") and number not in docstrings
+    )
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    readme = (ROOT / "README.md").read_text()
+    ci_lines = [ln for ln in (ROOT / ".ci/run").read_text().splitlines() if ln and ln[0] != "#"]
+    command = ci_lines[-1]
+    assert f"```bash\n{command}\n```" in readme
+
+
+def test_shim_scheduler_stays_small():
+    assert code_lines(ROOT / "shim" / "scheduler.py") <= 100
+
+
+def test_shim_never_imports_compat():
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "shim").rglob("*.py")
+        if re.search(
+            r"\bcompat\b",
+            "\n".join(
+                ln
+                for ln in path.read_text().splitlines()
+                if ln.lstrip().startswith(("import", "from"))
+            ),
+        )
+    ]
+    assert offenders == []
+
+
+def test_vllm_versions_are_written_only_in_pin_files():
+    version = re.compile(r"""["'](v?0\.2[4-9]\.\d+|v?0\.3\d\.\d+)["']""")
+    offenders = []
+    for folder in ("vllm_balance", "shim", "compat", "tools"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if version.search(line):
+                    offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+def test_no_vllm_source_text_outside_upstream_patch():
+    """Shared runs of >= 6 code lines with the installed vLLM's scheduler.py / core.py."""
+    import vllm
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from check_no_vllm_source import shared_runs
+
+    vllm_dir = Path(vllm.__file__).parent
+    found = shared_runs(ROOT, vllm_dir)
+    if found is None:
+        pytest.fail("tools/check_no_vllm_source.py could not read the installed vLLM")
+    assert found == []
