@@ -153,6 +153,20 @@ def soak(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-m", "slow", *session.posargs)
 
 
+@nox.session
+def ascend(session: nox.Session) -> None:
+    """The test suite on an Ascend host (torch_npu imported); skips cleanly anywhere else."""
+    install_pinned_vllm(session, "release-tag")
+    session.install("-e", ".[ascend]")  # torch-npu, version pinned in pyproject.toml
+    probe = "import torch_npu, torch; assert torch.npu.is_available(), 'no NPU visible'"
+    try:
+        session.run("python", "-c", probe, silent=True)
+    except nox.command.CommandFailed:
+        session.skip("torch_npu cannot run here (no Ascend toolkit or NPU); Ascend session skipped")
+    session.env["VLLM_BALANCE_REQUIRE_NPU"] = "1"
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-m", "not slow")
+
+
 @nox.session(name="vllm-own-tests")
 def vllm_own_tests(session: nox.Session) -> None:
     """vLLM's own tests/v1/core/test_scheduler.py, patched vs unpatched, at both pins."""

@@ -246,3 +246,22 @@ def test_balance_that_cannot_act_warns_and_installs_nothing(caplog, config_kwarg
     assert message in caplog.text
     assert core_module.DPEngineCoreProc is DPEngineCoreProc
     assert config.scheduler_config.scheduler_cls is None
+
+
+def test_vllm_ascend_balance_patch_active_refuses_double_activation(monkeypatch):
+    import types
+
+    import vllm.v1.core.sched.scheduler as scheduler_module
+
+    # What vllm-ascend's built-in patch does: swap the module-level Scheduler for its own class.
+    module = types.ModuleType("vllm_ascend.patch.platform.patch_balance_schedule")
+    ascend_scheduler = type("BalanceScheduler", (Scheduler,), {"__module__": module.__name__})
+    monkeypatch.setattr(scheduler_module, "Scheduler", ascend_scheduler)
+    with pytest.raises(ValueError) as excinfo:
+        activation.activate_for(dp_config())
+    assert str(excinfo.value).startswith(
+        "balance scheduling is already patched in by vllm-ascend (vllm.v1.core.sched.scheduler."
+        "Scheduler -> vllm_ascend.patch.platform.patch_balance_schedule.BalanceScheduler): "
+        "refusing a second activation."
+    )
+    assert core_module.DPEngineCoreProc is DPEngineCoreProc

@@ -32,6 +32,30 @@ def _kv_role(vllm_config: Any) -> str | None:
     return getattr(kv_transfer_config, "kv_role", None) if kv_transfer_config else None
 
 
+def _foreign_balance_patches() -> list[str]:
+    """Upstream names that another package (vllm-ascend's own balance patch, DyntraLB) replaced.
+
+    vllm-ascend's built-in balance scheduling swaps the module-level ``Scheduler`` and wraps
+    ``run_engine_core`` (its DyntraLB patches the same places); two balance gates would gather
+    twice per step and disagree on the freeze.
+    """
+    import vllm.v1.core.sched.scheduler as scheduler_module
+    import vllm.v1.engine.core as core_module
+
+    from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
+
+    candidates = {
+        "vllm.v1.core.sched.scheduler.Scheduler": scheduler_module.Scheduler,
+        "vllm.v1.engine.core.DPEngineCoreProc": core_module.DPEngineCoreProc,
+        "EngineCoreProc.run_engine_core": RUN_ENGINE_CORE_WRAPPER.upstream(),
+    }
+    return [
+        f"{name} -> {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
+        for name, obj in candidates.items()
+        if getattr(obj, "__module__", "").startswith("vllm_ascend")
+    ]
+
+
 def balance_applies(vllm_config: Any) -> bool:
     """Whether balance must be activated for this engine process; raises on impossible configs.
 
@@ -45,6 +69,14 @@ def balance_applies(vllm_config: Any) -> bool:
         raise BalanceConfigError(
             "balance scheduling supports PD-mixed mode only; kv_transfer_config.kv_role="
             f"{role!r} (PD-disaggregated) cannot enable enable_balance_scheduling"
+        )
+    foreign = _foreign_balance_patches()
+    if foreign:
+        raise BalanceConfigError(
+            "balance scheduling is already patched in by vllm-ascend ("
+            + "; ".join(foreign)
+            + "): refusing a second activation. Disable vllm-ascend's built-in balance "
+            "scheduling / DyntraLB, or do not install vllm-balance-scheduling with it"
         )
     parallel_config = vllm_config.parallel_config
     if parallel_config.data_parallel_size <= 1:
