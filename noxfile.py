@@ -48,7 +48,7 @@ def install_pinned_vllm(session: nox.Session, pin_name: str, seam: bool = False)
     except PinError as exc:
         session.error(str(exc))
     session.install("--no-deps", "-r", "requirements/test-cpu.txt")
-    session.install("-r", "requirements/test-tools.txt")
+    session.install("-r", "requirements/test-tools.txt", "-r", "requirements/sim.txt")
     log = Path(session.virtualenv.location) / "pip-install-vllm.log"
     python = str(Path(session.bin) / "python")
     session.log(f"installing {pin.label}")
@@ -128,7 +128,6 @@ def smoke(session: nox.Session) -> None:
 def sim(session: nox.Session) -> None:
     """The main job: the DP balance simulator on the release-tag vLLM (args after --)."""
     install_pinned_vllm(session, os.environ.get("VLLM_BALANCE_PIN", "release-tag"))
-    session.install("-r", "requirements/sim.txt")
     session.run("python", "-m", "vllm_balance.sim", *session.posargs)
 
 

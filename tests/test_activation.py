@@ -197,8 +197,9 @@ def test_spawn_child_runs_balance_engine_core_and_async_scheduler(tmp_path):
     result = launch_engine_core("spawn", config, report)
     assert result["engine_core"] == "BalanceDPEngineCoreProc"
     assert "BalanceSchedulerMixin" in result["scheduler_bases"]
+    # Only the wrapper swaps the engine core: the child ran it (spawn pickled the wrapper as
+    # the target; the child's class attribute is upstream's until plugins load).
     assert result["scheduler_is_async"] is True
-    assert result["run_engine_core"] == "vllm_balance.activation"
 
 
 # Validation (clear messages)

@@ -1,0 +1,390 @@
+"""Derive the Phase 2A ``schedule()`` from the installed vLLM's own source, at import time.
+
+Phase 2A is upstream ``Scheduler.schedule`` plus exactly three deltas:
+
+1. disabled path: ``if not self._balance_enabled: return super().schedule(throttle_prefills)``
+   as the first statement, so a config without balance runs upstream verbatim (contract 4);
+2. the gate: ``if self.admission_frozen: break`` as the first statement of the WAITING loop,
+   before upstream's own stop check, reading the value the mixin computed once for this step;
+3. ``if request_queue is None: break`` instead of upstream's ``assert request_queue is not None``.
+
+Lesson (the old vllm-ascend patch): a pasted copy of ``schedule()`` goes stale silently
+(``WAITING_FOR_FSM``, the 3-tuple ``get_computed_blocks``, ``skipped_waiting``...), and even a
+copy aligned to one release misbehaves on the next (the v0.24.0-aligned copy fails 2 of vLLM
+0.25.0's own scheduler tests). So nothing is pasted: the method is spliced from the installed
+``scheduler.py`` text at anchors located by AST, which keeps upstream's comments and layout and
+makes the copy verbatim by construction. It then fails closed twice:
+
+- an anchor that is missing or matches more than once raises :class:`Phase2AUnavailable`;
+- the installed ``schedule()`` must match a verified fingerprint (``fingerprints.json``): a
+  normalized-AST hash, so reformatting upstream does not matter but any code change does.
+  Otherwise :class:`UnverifiedSchedule`, unless the operator sets
+  ``VLLM_BALANCE_ALLOW_UNVERIFIED_SCHEDULE=1`` (a warning names the fingerprint).
+
+The generated class is compiled with vLLM's module globals (every name resolves as upstream's
+does, live) under a real filename: a content-addressed file in the user cache dir, also
+registered with ``linecache``, so tracebacks and ``inspect.getsource`` show the derived code.
+The file is only for reading: the code that runs is compiled from memory.
+
+``python -m vllm_balance.compat.derive`` prints the installed fingerprint (to verify a new ref).
+"""
+
+from __future__ import annotations
+import __future__
+
+import ast
+import copy
+import functools
+import hashlib
+import importlib
+import inspect
+import json
+import linecache
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from vllm_balance.log import logger
+
+ALLOW_UNVERIFIED_ENV = "VLLM_BALANCE_ALLOW_UNVERIFIED_SCHEDULE"
+FINGERPRINTS_FILE = Path(__file__).with_name("fingerprints.json")
+CLASS_NAME = "Phase2ASchedule"
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+
+# Anchors, as code (compared as ASTs, so upstream's formatting is free to change).
+SIGNATURE_PARAMS = ("self", "throttle_prefills")
+WAITING_LOOP_TEST = "(self.waiting or self.skipped_waiting) and token_budget > 0"
+QUEUE_SELECTION = "request_queue = self._select_waiting_queue_for_scheduling()"
+QUEUE_ASSERT = "assert request_queue is not None"
+
+# The deltas, each led by the comment naming it (relative indentation; no upstream text).
+DELTA_DISABLED_PATH = (
+    "# Phase 2A delta 1 (disabled path): balance off runs upstream's schedule() verbatim.",
+    "if not self._balance_enabled:",
+    "    return super().schedule(throttle_prefills)",
+)
+DELTA_GATE = (
+    "# Phase 2A delta 2 (gate): a DP leader at the cap freezes admission for this step.",
+    "if self.admission_frozen:",
+    "    break",
+)
+DELTA_NO_QUEUE = (
+    "# Phase 2A delta 3: no waiting queue to admit from ends admission (was an assert).",
+    "if request_queue is None:",
+    "    break",
+)
+
+
+class Phase2AUnavailable(RuntimeError):
+    """The installed vLLM cannot get the Phase 2A ``schedule()``; the message names the fix."""
+
+
+class UnverifiedSchedule(Phase2AUnavailable):
+    """The installed ``schedule()`` matches no verified fingerprint."""
+
+
+def normalized_dump(node: ast.AST) -> str:
+    """``ast.dump`` without positions, None and empty lists: identical on Python 3.10-3.13.
+
+    (3.13's ``ast.dump`` omits None/[] by default and 3.12 added empty ``type_params``, so the
+    stock dump would change the fingerprint with the interpreter, not with vLLM.)
+    """
+    if isinstance(node, list):
+        return "[" + ", ".join(normalized_dump(item) for item in node) + "]"
+    if not isinstance(node, ast.AST):
+        return repr(node)
+    fields = [
+        f"{name}={normalized_dump(value)}"
+        for name, value in ast.iter_fields(node)
+        if value is not None and not (isinstance(value, list) and not value)
+    ]
+    return f"{type(node).__name__}({', '.join(fields)})"
+
+
+def _parsed_stmt(code: str) -> str:
+    return normalized_dump(ast.parse(code).body[0])
+
+
+def _without_docstring(fn: ast.FunctionDef) -> ast.FunctionDef:
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        if isinstance(body[0].value.value, str):
+            fn = copy.copy(fn)
+            fn.body = body[1:]
+    return fn
+
+
+def fingerprint(fn: ast.FunctionDef) -> str:
+    """Normalized-AST hash of a ``schedule`` FunctionDef, docstring removed."""
+    digest = hashlib.sha256(normalized_dump(_without_docstring(fn)).encode()).hexdigest()
+    return f"sha256:{digest}"
+
+
+def verified_fingerprints() -> dict[str, str]:
+    """fingerprint -> label. Labels are data for messages only; nothing branches on versions."""
+    data = json.loads(FINGERPRINTS_FILE.read_text(encoding="utf-8"))
+    return {entry["fingerprint"]: entry["label"] for entry in data["verified"]}
+
+
+def _fix_hint() -> str:
+    labels = ", ".join(verified_fingerprints().values())
+    return (
+        "apply upstream_patch/ to get the seam (Scheduler._should_stop_admitting_waiting), "
+        f"or install a verified vLLM: {labels}"
+    )
+
+
+def _anchor_error(anchor: str, problem: str, vllm_version: str) -> Phase2AUnavailable:
+    return Phase2AUnavailable(
+        f"cannot derive the Phase 2A Scheduler.schedule() from vLLM {vllm_version}: "
+        f"anchor {anchor!r} {problem}. Fix: {_fix_hint()}."
+    )
+
+
+def _exactly_one(anchor: str, matches: list, vllm_version: str):
+    if len(matches) != 1:
+        problem = "is missing" if not matches else f"matches {len(matches)} times"
+        raise _anchor_error(anchor, problem, vllm_version)
+    return matches[0]
+
+
+def find_schedule(tree: ast.Module, vllm_version: str) -> ast.FunctionDef:
+    """The ``schedule`` method of the top-level ``class Scheduler`` (both must be unique)."""
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Scheduler"]
+    scheduler = _exactly_one("class Scheduler", classes, vllm_version)
+    methods = [n for n in scheduler.body if isinstance(n, ast.FunctionDef) and n.name == "schedule"]
+    return _exactly_one("Scheduler.schedule", methods, vllm_version)
+
+
+def _statement_lists(fn: ast.FunctionDef) -> Iterator[list[ast.stmt]]:
+    for node in ast.walk(fn):
+        for field in ("body", "orelse", "finalbody"):
+            stmts = getattr(node, field, None)
+            if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
+                yield stmts
+
+
+def _last_line(node: ast.stmt) -> int:
+    return node.end_lineno or node.lineno
+
+
+def _first_line(stmt: ast.stmt) -> int:
+    decorators = getattr(stmt, "decorator_list", [])
+    return min([stmt.lineno] + [d.lineno for d in decorators])
+
+
+def _body_start(header: ast.stmt, body: list[ast.stmt], lines: list[str]) -> int:
+    """0-based index of the first line after ``header``'s ``:``, before any leading comments."""
+    index = _first_line(body[0]) - 1
+    while index - 1 >= header.lineno and lines[index - 1].strip()[:1] in ("", "#"):
+        index -= 1
+    return index
+
+
+def _indented(block: tuple[str, ...], indent: int) -> list[str]:
+    return [" " * indent + line + "\n" for line in block]
+
+
+def _starts_line(stmt: ast.stmt, lines: list[str], anchor: str, vllm_version: str) -> None:
+    """Text splicing edits whole lines: nothing may precede ``stmt`` on its first line."""
+    if lines[_first_line(stmt) - 1].encode()[: stmt.col_offset].strip():
+        raise _anchor_error(anchor, "shares a line with other code", vllm_version)
+
+
+def _ends_line(stmt: ast.stmt, lines: list[str], anchor: str, vllm_version: str) -> None:
+    """Nothing but a comment may follow a replaced ``stmt`` on its last line."""
+    after = lines[_last_line(stmt) - 1].encode()[stmt.end_col_offset or 0 :].decode().strip()
+    if after and not after.startswith("#"):
+        raise _anchor_error(anchor, "shares a line with other code", vllm_version)
+
+
+def _check_signature(fn: ast.FunctionDef, vllm_version: str) -> None:
+    args = fn.args
+    params = tuple(a.arg for a in args.posonlyargs + args.args)
+    if params != SIGNATURE_PARAMS or args.vararg or args.kwarg or args.kwonlyargs:
+        expected = f"schedule({', '.join(SIGNATURE_PARAMS)})"
+        raise _anchor_error(expected, f"is schedule({', '.join(params)})", vllm_version)
+
+
+def _waiting_loop(fn: ast.FunctionDef, vllm_version: str) -> ast.While:
+    loop_test = normalized_dump(ast.parse(WAITING_LOOP_TEST, mode="eval").body)
+    loops = [
+        n for n in ast.walk(fn) if isinstance(n, ast.While) and normalized_dump(n.test) == loop_test
+    ]
+    return _exactly_one(f"while {WAITING_LOOP_TEST}:", loops, vllm_version)
+
+
+def _queue_assert(fn: ast.FunctionDef, waiting_loop: ast.While, vllm_version: str) -> ast.stmt:
+    """Upstream's assert right after the queue selection, directly in the WAITING loop."""
+    selection, assertion = _parsed_stmt(QUEUE_SELECTION), _parsed_stmt(QUEUE_ASSERT)
+    pairs = [
+        (stmts, i + 1)
+        for stmts in _statement_lists(fn)
+        for i in range(len(stmts) - 1)
+        if isinstance(stmts[i], ast.Assign)  # cheap type checks before the dumps
+        and isinstance(stmts[i + 1], ast.Assert)
+        and normalized_dump(stmts[i]) == selection
+        and normalized_dump(stmts[i + 1]) == assertion
+    ]
+    anchor = f"{QUEUE_SELECTION}; {QUEUE_ASSERT}"
+    stmts, index = _exactly_one(anchor, pairs, vllm_version)
+    if stmts is not waiting_loop.body:  # ``break`` must leave the WAITING loop, nothing else
+        raise _anchor_error(anchor, "is not directly in the WAITING loop", vllm_version)
+    return stmts[index]
+
+
+Edit = tuple[int, int, list[str]]  # (0-based line, number of lines replaced, new lines)
+
+
+def _splice(lines: list[str], edits: list[Edit]) -> list[str]:
+    lines = list(lines)
+    for at, removed, new in sorted(edits, key=lambda edit: edit[0], reverse=True):
+        lines[at : at + removed] = new
+    return lines
+
+
+@dataclass(frozen=True)
+class DerivedSource:
+    upstream: ast.FunctionDef
+    fingerprint: str
+    source: str  # the generated module text: a header comment and ``class Phase2ASchedule``
+
+
+def derive_source(module_source: str, vllm_version: str, origin: str = "") -> DerivedSource:
+    """Splice the three deltas into ``Scheduler.schedule`` of ``module_source``.
+
+    Every anchor is located in the AST and must match exactly once; the edits insert or replace
+    whole lines, so everything else stays upstream's text, comments included.
+    """
+    fn = find_schedule(ast.parse(module_source), vllm_version)
+    _check_signature(fn, vllm_version)
+    waiting_loop = _waiting_loop(fn, vllm_version)
+    queue_assert = _queue_assert(fn, waiting_loop, vllm_version)
+    lines = module_source.splitlines(keepends=True)
+    first, gated = fn.body[0], waiting_loop.body[0]
+    _starts_line(first, lines, "schedule()'s first statement", vllm_version)
+    _starts_line(gated, lines, "the WAITING loop's first statement", vllm_version)
+    _starts_line(queue_assert, lines, QUEUE_ASSERT, vllm_version)
+    _ends_line(queue_assert, lines, QUEUE_ASSERT, vllm_version)
+
+    has_docstring = _without_docstring(fn) is not fn
+    disabled_at = _last_line(first) if has_docstring else _body_start(fn, fn.body, lines)
+    assert_lines = _last_line(queue_assert) - queue_assert.lineno + 1
+    gate_at = _body_start(waiting_loop, waiting_loop.body, lines)
+    edits: list[Edit] = [
+        (disabled_at, 0, _indented(DELTA_DISABLED_PATH, first.col_offset)),
+        (gate_at, 0, _indented(DELTA_GATE, gated.col_offset)),
+        (queue_assert.lineno - 1, assert_lines, _indented(DELTA_NO_QUEUE, queue_assert.col_offset)),
+    ]
+    added = sum(len(new) - removed for _, removed, new in edits)
+    method = _splice(lines, edits)[_first_line(fn) - 1 : _last_line(fn) + added]
+    schedule_fingerprint = fingerprint(fn)
+    header = [
+        f"# Generated by vllm_balance.compat.derive from {origin or '<source>'}\n",
+        f"# (vLLM {vllm_version}, schedule() fingerprint {schedule_fingerprint}).\n",
+        "# Upstream's Scheduler.schedule plus exactly three deltas, marked 'Phase 2A delta'.\n",
+        "# Regenerated at every import; editing this file changes nothing that runs.\n",
+        f"class {CLASS_NAME}(Scheduler):\n",
+    ]
+    return DerivedSource(fn, schedule_fingerprint, "".join(header + method))
+
+
+def check_verified(schedule_fingerprint: str, vllm_version: str) -> None:
+    """Refuse an unverified ``schedule()`` unless the operator opted in (then warn)."""
+    if schedule_fingerprint in verified_fingerprints():
+        return
+    if os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
+        logger.warning(
+            "balance scheduling: vLLM %s's Scheduler.schedule (fingerprint %s) is not verified; "
+            "deriving Phase 2A anyway because %s=1",
+            vllm_version,
+            schedule_fingerprint,
+            ALLOW_UNVERIFIED_ENV,
+        )
+        return
+    raise UnverifiedSchedule(
+        f"vLLM {vllm_version}'s Scheduler.schedule (fingerprint {schedule_fingerprint}) is not a "
+        f"verified ref for the Phase 2A copy. Fix: {_fix_hint()}; or, after checking the "
+        f"behaviour yourself, set {ALLOW_UNVERIFIED_ENV}=1."
+    )
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "vllm_balance" / "compat"
+
+
+def _publish(source: str) -> str:
+    """A filename for ``source``: a content-addressed cache file when writable; linecache always.
+
+    The linecache entry has no mtime, so ``linecache.checkcache`` keeps it (tracebacks work even
+    if the cache dir is read-only or the file is deleted later).
+    """
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    path = _cache_dir() / f"phase2a_schedule_{digest}.py"
+    filename = str(path)
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(source, encoding="utf-8")
+            os.replace(tmp, path)
+    except OSError as exc:
+        filename = f"<vllm_balance phase2a_schedule_{digest}>"
+        logger.debug("balance scheduling: cannot write %s (%s); using %s", path, exc, filename)
+    lines = source.splitlines(keepends=True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    return filename
+
+
+def _future_flags(module: ModuleType) -> int:
+    """Compile with the ``__future__`` features of vLLM's module, never with ours."""
+    flags = 0
+    for name in __future__.all_feature_names:
+        feature = getattr(__future__, name)
+        if feature is vars(module).get(name):
+            flags |= int(getattr(feature, "compiler_flag", 0))
+    return flags
+
+
+def build_phase2a_schedule(module: ModuleType | None = None) -> type:
+    """Derive, verify, compile and return ``Phase2ASchedule(Scheduler)`` (uncached)."""
+    import vllm
+
+    module = module or importlib.import_module(SCHEDULER_MODULE)
+    origin = inspect.getsourcefile(module) or module.__name__
+    derived = derive_source(inspect.getsource(module), vllm.__version__, origin)
+    check_verified(derived.fingerprint, vllm.__version__)
+    filename = _publish(derived.source)
+    code = compile(derived.source, filename, "exec", flags=_future_flags(module), dont_inherit=True)
+    # Globals are vLLM's module dict itself (names resolve live, like upstream's); the class
+    # binds in a scratch namespace, so vLLM's module is not touched.
+    namespace: dict[str, object] = {}
+    exec(code, vars(module), namespace)
+    cls = namespace[CLASS_NAME]
+    assert isinstance(cls, type)
+    cls.__module__ = __name__
+    cls.__doc__ = f"Upstream Scheduler.schedule + the three Phase 2A deltas ({filename})."
+    return cls
+
+
+@functools.cache
+def derive_phase2a_schedule() -> type:
+    """``Phase2ASchedule`` for the installed vLLM, derived once per process."""
+    return build_phase2a_schedule()
+
+
+def main() -> None:
+    import vllm
+
+    module = importlib.import_module(SCHEDULER_MODULE)
+    fn = find_schedule(ast.parse(inspect.getsource(module)), vllm.__version__)
+    found = fingerprint(fn)
+    label = verified_fingerprints().get(found, "NOT VERIFIED")
+    print(f"vLLM {vllm.__version__} Scheduler.schedule fingerprint {found}: {label}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+"""Phase 2A derivation (vllm_balance.compat.derive): drift, fail-closed anchors, fingerprints.
+
+The drift tests are never skipped: they are what turns a pin advance red until the new ref is
+verified (the old patch's drift test was skipped in CI because vLLM was not a git checkout).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import inspect
+import json
+import linecache
+import logging
+import os
+import textwrap
+import traceback
+from pathlib import Path
+
+import pytest
+import vllm
+import vllm.v1.core.sched.scheduler as scheduler_module
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from pins import read_pin
+from vllm_balance.compat import derive
+from vllm_balance.compat.derive import (
+    ALLOW_UNVERIFIED_ENV,
+    DELTA_DISABLED_PATH,
+    DELTA_GATE,
+    DELTA_NO_QUEUE,
+    QUEUE_ASSERT,
+    QUEUE_SELECTION,
+    WAITING_LOOP_TEST,
+    Phase2AUnavailable,
+    UnverifiedSchedule,
+    normalized_dump,
+)
+from vllm_balance.factories import add_requests, make_requests, make_scheduler
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def compat_module():
+    # Imported per test: on an unverified vLLM the import raises, and the drift test below must
+    # still run and fail with its own message (not a collection error hiding it).
+    import vllm_balance.compat.scheduler as compat_scheduler
+
+    return compat_scheduler
+
+
+def upstream_schedule_ast() -> ast.FunctionDef:
+    return derive.find_schedule(ast.parse(inspect.getsource(scheduler_module)), "installed")
+
+
+def generated_source() -> str:
+    filename = compat_module().Phase2ASchedule.schedule.__code__.co_filename
+    return "".join(linecache.getlines(filename))
+
+
+def generated_schedule_ast(source: str | None = None) -> ast.FunctionDef:
+    tree = ast.parse(source or generated_source())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+    (fn,) = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "schedule"]
+    return fn
+
+
+def delta_dump(block: tuple[str, ...]) -> str:
+    return normalized_dump(ast.parse("\n".join(block)).body[0])
+
+
+def strip_deltas(
+    fn: ast.FunctionDef, docstring: bool = False
+) -> tuple[ast.FunctionDef, dict[str, int]]:
+    """Undo the three deltas on a copy; count each, and check where it sits."""
+    fn = copy.deepcopy(fn)
+    disabled, gate, no_queue = map(delta_dump, (DELTA_DISABLED_PATH, DELTA_GATE, DELTA_NO_QUEUE))
+    selection = normalized_dump(ast.parse(QUEUE_SELECTION).body[0])
+    loop_test = normalized_dump(ast.parse(WAITING_LOOP_TEST, mode="eval").body)
+    counts = {"disabled path": 0, "gate": 0, "no queue": 0}
+    for node in ast.walk(fn):
+        stmts = getattr(node, "body", None)
+        if not isinstance(stmts, list):
+            continue
+        kept: list[ast.stmt] = []
+        for i, stmt in enumerate(stmts):
+            dump = normalized_dump(stmt)
+            if dump == disabled:
+                assert node is fn and i == int(docstring), "delta 1 must come first"
+                counts["disabled path"] += 1
+            elif dump == gate:
+                assert isinstance(node, ast.While) and normalized_dump(node.test) == loop_test
+                assert i == 0, "delta 2 must be the first statement of the WAITING loop"
+                counts["gate"] += 1
+            elif dump == no_queue:
+                assert normalized_dump(stmts[i - 1]) == selection, "delta 3 follows the selection"
+                counts["no queue"] += 1
+                kept.append(ast.parse(QUEUE_ASSERT).body[0])
+            else:
+                kept.append(stmt)
+        stmts[:] = kept
+    return fn, counts
+
+
+# --- drift (never skipped) -------------------------------------------------------------------
+
+
+def test_drift_generated_schedule_is_upstream_plus_exactly_three_deltas():
+    stripped, counts = strip_deltas(generated_schedule_ast())
+    assert counts == {"disabled path": 1, "gate": 1, "no queue": 1}
+    assert normalized_dump(stripped) == normalized_dump(upstream_schedule_ast())
+
+
+def test_drift_comparison_catches_a_fourth_change():
+    # Negative control for the drift test itself: one extra statement must break equality.
+    source = generated_source()
+    body_indent = generated_schedule_ast(source).body[0].col_offset
+    mutated = source + " " * body_indent + "pass\n"
+    stripped, counts = strip_deltas(generated_schedule_ast(mutated))
+    assert counts == {"disabled path": 1, "gate": 1, "no queue": 1}
+    assert normalized_dump(stripped) != normalized_dump(upstream_schedule_ast())
+
+
+def test_drift_upstream_compared_is_the_schedule_that_runs():
+    # The AST we derive from must be the function vLLM's Scheduler actually has.
+    code = Scheduler.schedule.__code__
+    assert code.co_filename == inspect.getsourcefile(scheduler_module)
+    assert code.co_firstlineno == upstream_schedule_ast().lineno  # (it has no decorators)
+
+
+def test_drift_pinned_ref_fingerprint_is_verified():
+    pin_name = os.environ.get("VLLM_BALANCE_PIN")
+    if pin_name:
+        pin = read_pin(pin_name)
+        if pin.version is not None:  # URL/commit pins carry no version to compare
+            assert vllm.__version__ == pin.version, f"{pin.label} but vLLM {vllm.__version__}"
+    installed = derive.fingerprint(upstream_schedule_ast())
+    assert installed in derive.verified_fingerprints(), (
+        f"vLLM {vllm.__version__} schedule() fingerprint {installed} is not verified; verify the "
+        "new ref, then add it to compat/fingerprints.json"
+    )
+
+
+# --- fingerprints ------------------------------------------------------------------------------
+
+
+def test_fingerprint_ignores_formatting_and_comments_but_not_code():
+    source = inspect.getsource(scheduler_module)
+    original = derive.fingerprint(upstream_schedule_ast())
+    selection_line = next(ln for ln in source.splitlines() if ln.strip() == QUEUE_SELECTION)
+    indent = selection_line[: len(selection_line) - len(selection_line.lstrip())]
+    reformatted = source.replace(
+        selection_line + "\n", f"{indent}# a comment\n\n{selection_line}  # another\n", 1
+    )
+    changed = source.replace(selection_line + "\n", f"{selection_line}\n{indent}pass\n", 1)
+    assert derive.fingerprint(derive.find_schedule(ast.parse(reformatted), "x")) == original
+    assert derive.fingerprint(derive.find_schedule(ast.parse(changed), "x")) != original
+
+
+def test_unverified_fingerprint_is_refused():
+    unknown = "sha256:" + "0" * 64
+    with pytest.raises(UnverifiedSchedule) as excinfo:
+        derive.check_verified(unknown, "9.9.9")
+    message = str(excinfo.value)
+    assert unknown in message and "9.9.9" in message and ALLOW_UNVERIFIED_ENV in message
+    assert "upstream_patch/" in message
+
+
+@pytest.mark.parametrize("value", ["0", "true", ""])
+def test_override_must_be_exactly_1(monkeypatch, value):
+    monkeypatch.setenv(ALLOW_UNVERIFIED_ENV, value)
+    with pytest.raises(UnverifiedSchedule):
+        derive.check_verified("sha256:" + "0" * 64, "9.9.9")
+
+
+def test_override_allows_unverified_schedule_with_a_warning(monkeypatch, caplog, tmp_path):
+    # End to end on the real installed source: an empty verified set refuses it...
+    empty = tmp_path / "fingerprints.json"
+    empty.write_text(json.dumps({"verified": []}))
+    monkeypatch.setattr(derive, "FINGERPRINTS_FILE", empty)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(UnverifiedSchedule):
+        derive.build_phase2a_schedule()
+    # ...and the operator's override lets it through, naming the fingerprint.
+    monkeypatch.setenv(ALLOW_UNVERIFIED_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+        cls = derive.build_phase2a_schedule()
+    assert issubclass(cls, Scheduler)
+    installed = derive.fingerprint(upstream_schedule_ast())
+    assert any(installed in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+# --- anchors fail closed -----------------------------------------------------------------------
+
+PAIR = f"{QUEUE_SELECTION}\n{QUEUE_ASSERT}\n"
+
+
+def synthetic(
+    loop_body: str = PAIR,
+    *,
+    header: str = "schedule(self, throttle_prefills=False)",
+    loops: int = 1,
+    after_loop: str = "",
+) -> str:
+    """A tiny module shaped like vLLM's anchors (our own text, built from derive's constants)."""
+    loop = f"while {WAITING_LOOP_TEST}:\n" + textwrap.indent(
+        "if stop:\n    break\n" + loop_body, "    "
+    )
+    body = "x = 1\n" + loop * loops + after_loop
+    return f"class Scheduler:\n    def {header}:\n" + textwrap.indent(body, " " * 8)
+
+
+@pytest.mark.parametrize("docstring", [False, True])
+def test_synthetic_source_with_all_anchors_derives(docstring):
+    # Positive control for the negative controls below; delta 1 goes after a docstring.
+    source = synthetic()
+    if docstring:
+        source = source.replace("        x = 1\n", '        """Doc."""\n        x = 1\n', 1)
+    derived = derive.derive_source(source, "9.9.9")
+    stripped, counts = strip_deltas(generated_schedule_ast(derived.source), docstring)
+    assert counts == {"disabled path": 1, "gate": 1, "no queue": 1}
+    assert normalized_dump(stripped) == normalized_dump(derived.upstream)
+
+
+ONE_LINE_LOOP = (
+    "class Scheduler:\n    def schedule(self, throttle_prefills=False):\n"
+    f"        while {WAITING_LOOP_TEST}: stop = 1; {QUEUE_SELECTION}; {QUEUE_ASSERT}\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("source", "anchor", "problem"),
+    [
+        (synthetic().replace(WAITING_LOOP_TEST, "self.waiting"), "while", "is missing"),
+        (synthetic(loops=2), "while", "matches 2 times"),
+        (synthetic(QUEUE_SELECTION + "\n"), QUEUE_ASSERT, "is missing"),
+        (synthetic(PAIR * 2), QUEUE_ASSERT, "matches 2 times"),
+        (synthetic("pass\n", after_loop=PAIR), QUEUE_ASSERT, "not directly in the WAITING loop"),
+        (ONE_LINE_LOOP, "the WAITING loop's first statement", "shares a line"),
+        (
+            synthetic().replace(QUEUE_ASSERT, QUEUE_ASSERT + "; z = 1"),
+            QUEUE_ASSERT,
+            "shares a line",
+        ),
+        (synthetic(header="schedule(self)"), "schedule(self, throttle_prefills)", "is schedule("),
+        (synthetic().replace("def schedule", "def other"), "Scheduler.schedule", "is missing"),
+    ],
+    ids=[
+        "loop-missing",
+        "loop-twice",
+        "assert-missing",
+        "assert-twice",
+        "assert-outside-loop",
+        "loop-body-on-header-line",
+        "assert-not-alone",
+        "signature",
+        "method-missing",
+    ],
+)
+def test_anchor_missing_or_ambiguous_raises_one_clear_error(source, anchor, problem):
+    with pytest.raises(Phase2AUnavailable) as excinfo:
+        derive.derive_source(source, "9.9.9")
+    message = str(excinfo.value)
+    assert anchor in message and problem in message
+    assert "vLLM 9.9.9" in message and "upstream_patch/" in message
+    assert all(label in message for label in derive.verified_fingerprints().values())
+
+
+def _real_source_with_extra_lines_after_assert(*extra: str) -> str:
+    source = inspect.getsource(scheduler_module)
+    assert_line = next(ln for ln in source.splitlines() if ln.strip() == QUEUE_ASSERT)
+    indent = assert_line[: len(assert_line) - len(assert_line.lstrip())]
+    added = "".join(f"{indent}{line}\n" for line in extra)
+    return source.replace(assert_line + "\n", assert_line + "\n" + added, 1)
+
+
+def test_real_source_with_changed_assert_raises():
+    source = inspect.getsource(scheduler_module).replace(QUEUE_ASSERT, QUEUE_ASSERT + ", 'x'", 1)
+    with pytest.raises(Phase2AUnavailable, match="is missing"):
+        derive.derive_source(source, vllm.__version__)
+
+
+def test_real_source_with_duplicated_anchor_raises():
+    source = _real_source_with_extra_lines_after_assert(QUEUE_SELECTION, QUEUE_ASSERT)
+    with pytest.raises(Phase2AUnavailable, match="matches 2 times") as excinfo:
+        derive.derive_source(source, vllm.__version__)
+    assert vllm.__version__ in str(excinfo.value)
+
+
+# --- readable generated code -------------------------------------------------------------------
+
+
+def test_generated_schedule_has_source_and_names_each_delta():
+    Phase2ASchedule = compat_module().Phase2ASchedule
+    source = inspect.getsource(Phase2ASchedule.schedule)
+    for delta in (DELTA_DISABLED_PATH, DELTA_GATE, DELTA_NO_QUEUE):
+        assert source.count(delta[0]) == 1
+    # CompatBalanceScheduler.schedule is the mixin's, which reaches the generated one via super().
+    CompatBalanceScheduler = compat_module().CompatBalanceScheduler
+    mro = CompatBalanceScheduler.__mro__
+    assert mro.index(Phase2ASchedule) < mro.index(Scheduler)
+    mixin_source = inspect.getsource(CompatBalanceScheduler.schedule)
+    assert "super().schedule(throttle_prefills)" in mixin_source
+
+
+def test_generated_code_runs_with_vllm_globals_and_leaves_vllm_module_untouched():
+    Phase2ASchedule = compat_module().Phase2ASchedule
+    assert Phase2ASchedule.schedule.__globals__ is vars(scheduler_module)
+    assert not hasattr(scheduler_module, Phase2ASchedule.__name__)
+
+
+def test_traceback_from_generated_schedule_shows_generated_file(monkeypatch):
+    compat = compat_module()
+    scheduler = make_scheduler(
+        compat.CompatBalanceScheduler,
+        data_parallel_size=2,
+        additional_config={"enable_balance_scheduling": True},
+    )
+    add_requests(scheduler, make_requests(1))
+
+    def boom():
+        raise LookupError("raised inside the generated schedule()")
+
+    monkeypatch.setattr(scheduler, "_select_waiting_queue_for_scheduling", boom)
+    with pytest.raises(LookupError) as excinfo:
+        scheduler.schedule()
+    filename = compat.Phase2ASchedule.schedule.__code__.co_filename
+    frames = [f for f in traceback.extract_tb(excinfo.value.__traceback__) if f.name == "schedule"]
+    generated = [f for f in frames if f.filename == filename]
+    assert len(generated) == 1 and generated[0].line == QUEUE_SELECTION
+    assert Path(filename).is_file() and "phase2a_schedule" in Path(filename).name
+
+
+def test_generated_file_in_cache_dir_matches_compiled_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cls = derive.build_phase2a_schedule()
+    filename = Path(cls.schedule.__code__.co_filename)
+    assert filename.parent == tmp_path / "vllm_balance" / "compat"
+    assert filename.read_text() == "".join(linecache.getlines(str(filename)))
+
+
+def test_unwritable_cache_dir_still_gives_source_via_linecache(monkeypatch, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(not_a_dir))
+    cls = derive.build_phase2a_schedule()
+    assert DELTA_GATE[0] in inspect.getsource(cls.schedule)
