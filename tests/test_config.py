@@ -25,8 +25,20 @@ def config_with(additional_config):
         ({"enable_balance_scheduling": False}, False),
         ({"scheduler_config": {"enable_balance_scheduling": True}}, True),
         # Nested (newer vllm-ascend) wins over the top-level key.
-        ({"enable_balance_scheduling": True, "scheduler_config": {"enable_balance_scheduling": False}}, False),
-        ({"enable_balance_scheduling": False, "scheduler_config": {"enable_balance_scheduling": True}}, True),
+        (
+            {
+                "enable_balance_scheduling": True,
+                "scheduler_config": {"enable_balance_scheduling": False},
+            },
+            False,
+        ),
+        (
+            {
+                "enable_balance_scheduling": False,
+                "scheduler_config": {"enable_balance_scheduling": True},
+            },
+            True,
+        ),
         ({"scheduler_config": {"other": 1}, "enable_balance_scheduling": True}, True),
     ],
 )
@@ -65,7 +77,9 @@ def test_additional_config_wins_over_deprecated_env_var(monkeypatch, caplog):
 
 def test_bad_deprecated_env_var_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(DEPRECATED_ENV_VAR, "maybe")
-    with pytest.raises(ValueError, match=f"{DEPRECATED_ENV_VAR} must be 0/1/true/false, got 'maybe'"):
+    with pytest.raises(
+        ValueError, match=f"{DEPRECATED_ENV_VAR} must be 0/1/true/false, got 'maybe'"
+    ):
         balance_enabled(config_with({}))
 
 

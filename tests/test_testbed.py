@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from conftest import session_pin_name
-from pins import PinError, read_pin
 
+from pins import PinError, read_pin
 from vllm_balance import factories
 
 
@@ -39,7 +39,10 @@ def test_pin_accepts_a_bare_version_and_a_full_requirement(tmp_path):
 
 @pytest.mark.parametrize(
     "text, message",
-    [("# only comments\n", "exactly one pip requirement"), ("torch==2.13.0\n", "not a requirement")],
+    [
+        ("# only comments\n", "exactly one pip requirement"),
+        ("torch==2.13.0\n", "not a requirement"),
+    ],
 )
 def test_bad_pin_file_is_one_clear_error_naming_the_file(tmp_path, text, message):
     path = tmp_path / "pin.txt"
