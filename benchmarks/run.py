@@ -1,0 +1,334 @@
+"""Benchmarks of balance scheduling, reported as ratios measured within one run.
+
+    python benchmarks/run.py                      # all three parts
+    python benchmarks/run.py --parts schedule --reps 40
+    nox -s bench -- --parts gather
+
+(a) ``schedule``: ``schedule()`` of the product's balance class (gate open; gate frozen) vs
+    upstream ``Scheduler`` at DP 8/64/256, on an admission-heavy step (1024 waiting,
+    max_num_seqs 256) and a decode-heavy step (256 running, all decoding). Each repetition builds
+    fresh schedulers and times one ``schedule()`` per variant, variants interleaved in rotating
+    order so drift and other load on the machine hit them alike; ratios of medians. Also the
+    gate's own per-step cost (``leader_at_cap()``), which is where balance-on time goes.
+(b) ``gather``: per-step cost of ``balance_gather()`` on a real gloo group (DP 2 and 4 processes on
+    loopback) vs one bare ``all_reduce`` and one bare ``all_gather`` of one int32 on the same group.
+(c) ``sim``: simulated lockstep steps per second, and how wall time grows with DP and requests.
+
+Timings are never asserted anywhere; this prints ratios (and writes them as JSON with --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+ROOT = Path(__file__).resolve().parent.parent
+DP_SIZES = (8, 64, 256)
+CAP = 256
+
+
+# -- (a) schedule() ----------------------------------------------------------------------------
+def _configs(dp_size: int):
+    from vllm_balance.factories import make_vllm_config
+
+    common = dict(
+        max_num_seqs=CAP,
+        max_num_batched_tokens=CAP * 32,
+        num_gpu_blocks=8192,
+        data_parallel_size=dp_size,
+    )
+    return (
+        make_vllm_config(**common),
+        make_vllm_config(additional_config={"enable_balance_scheduling": True}, **common),
+    )
+
+
+def _prepared_scheduler(cls, vllm_config, workload: str, frozen: bool):
+    """A scheduler one ``schedule()`` away from the measured step."""
+    from vllm_balance.factories import (
+        add_requests,
+        make_requests,
+        make_scheduler,
+        run_to_completion,
+        step,
+    )
+
+    scheduler = make_scheduler(cls, vllm_config)
+    # Warm-up: one request through a full life cycle, so first-call costs (lazy state in the
+    # KV cache manager, code paths never run) are not charged to the measured step.
+    add_requests(scheduler, make_requests(1, prompt_len=32, max_tokens=2, prefix="warm"))
+    run_to_completion(scheduler)
+    if workload == "admission":
+        add_requests(scheduler, make_requests(1024, prompt_len=32, max_tokens=64))
+    else:
+        add_requests(scheduler, make_requests(CAP, prompt_len=32, max_tokens=64))
+        step(scheduler)  # admit and prefill all 256; the measured step decodes them
+    if frozen:
+        scheduler.balance_queue[-1].fill_(CAP)  # another rank is at the cap
+    return scheduler
+
+
+def _time_schedule(scheduler) -> float:
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.perf_counter_ns()
+        scheduler.schedule()
+        return (time.perf_counter_ns() - start) / 1e6
+    finally:
+        gc.enable()
+
+
+def bench_schedule(reps: int) -> dict:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    import vllm_balance
+
+    balance_cls = vllm_balance.BalanceScheduler
+    configs = {dp: _configs(dp) for dp in DP_SIZES}
+    variants = ("upstream", "on-open", "on-frozen")
+    times: dict[tuple, list[float]] = {}
+    for rep in range(reps):
+        for dp in DP_SIZES:
+            for workload in ("admission", "decode"):
+                order = variants[rep % 3 :] + variants[: rep % 3]  # rotate: no fixed position
+                for variant in order:
+                    upstream_cfg, balance_cfg = configs[dp]
+                    if variant == "upstream":
+                        sched = _prepared_scheduler(Scheduler, upstream_cfg, workload, False)
+                    else:
+                        frozen = variant == "on-frozen"
+                        sched = _prepared_scheduler(balance_cls, balance_cfg, workload, frozen)
+                    times.setdefault((dp, workload, variant), []).append(_time_schedule(sched))
+        print(f"  schedule rep {rep + 1}/{reps}", file=sys.stderr, end="\r")
+    rows = []
+    for dp in DP_SIZES:
+        for workload in ("admission", "decode"):
+            base = statistics.median(times[(dp, workload, "upstream")])
+            rows.append(
+                {
+                    "dp": dp,
+                    "workload": workload,
+                    "upstream_ms": round(base, 4),
+                    "on_open_ratio": round(
+                        statistics.median(times[(dp, workload, "on-open")]) / base, 4
+                    ),
+                    "on_frozen_ratio": round(
+                        statistics.median(times[(dp, workload, "on-frozen")]) / base, 4
+                    ),
+                }
+            )
+    return {
+        "active_path": vllm_balance.active_path(),
+        "reps": reps,
+        "rows": rows,
+        "gate_us": bench_gate(balance_cls, configs),
+    }
+
+
+def bench_gate(balance_cls, configs) -> dict:
+    """Median cost of the once-per-step gate decision (``leader_at_cap()``) alone, in µs."""
+    from vllm_balance.factories import make_scheduler
+
+    result = {}
+    for dp in DP_SIZES:
+        scheduler = make_scheduler(balance_cls, configs[dp][1])
+        samples = []
+        for _ in range(200):
+            start = time.perf_counter_ns()
+            scheduler.leader_at_cap()
+            samples.append((time.perf_counter_ns() - start) / 1e3)
+        result[dp] = round(statistics.median(samples), 2)
+    return result
+
+
+# -- (b) gather --------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> None:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import torch
+    import torch.distributed as dist
+
+    import vllm_balance
+    from vllm_balance.factories import add_requests, make_requests, make_scheduler, make_vllm_config
+    from vllm_balance.factories import step as engine_step
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    group = dist.new_group(backend="gloo")  # like vLLM's stateless gloo dp_group
+    config = make_vllm_config(
+        data_parallel_size=world, additional_config={"enable_balance_scheduling": True}
+    )
+    scheduler = make_scheduler(vllm_balance.BalanceScheduler, config)
+    add_requests(scheduler, make_requests(4 + rank, max_tokens=10_000))
+    engine_step(scheduler)
+    scheduler.dp_group = group
+    one = torch.ones(1, dtype=torch.int32)
+    bare_out = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
+    ops = {
+        "balance_gather": scheduler.balance_gather,
+        "all_reduce": lambda: dist.all_reduce(one, group=group),
+        "all_gather": lambda: dist.all_gather(bare_out, one, group=group),
+    }
+    names = list(ops)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(iters + 20):
+        for name in names[i % 3 :] + names[: i % 3]:
+            dist.barrier(group=group)  # start aligned: measure the collective, not the skew
+            start = time.perf_counter_ns()
+            ops[name]()
+            elapsed = (time.perf_counter_ns() - start) / 1e3
+            if i >= 20:  # warm-up excluded
+                samples[name].append(elapsed)
+    assert [int(t.item()) for t in scheduler.balance_queue] == [4 + r for r in range(world)]
+    if rank == 0:
+        results.put({name: statistics.median(v) for name, v in samples.items()})
+    dist.barrier(group=group)
+    dist.destroy_process_group()
+
+
+def bench_gather(iters: int) -> list[dict]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    for world in (2, 4):
+        results = ctx.Queue()
+        port = _free_port()
+        procs = [
+            ctx.Process(target=_gather_worker, args=(r, world, port, iters, results))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        medians = results.get(timeout=600)
+        for p in procs:
+            p.join(timeout=120)
+        rows.append(
+            {
+                "dp": world,
+                "balance_gather_us": round(medians["balance_gather"], 1),
+                "all_reduce_us": round(medians["all_reduce"], 1),
+                "all_gather_us": round(medians["all_gather"], 1),
+                "gather_vs_all_reduce": round(medians["balance_gather"] / medians["all_reduce"], 3),
+                "gather_vs_all_gather": round(medians["balance_gather"] / medians["all_gather"], 3),
+            }
+        )
+        print(f"  gather DP={world} done", file=sys.stderr)
+    return rows
+
+
+# -- (c) simulator throughput ------------------------------------------------------------------
+SIM_CASES = ((8, 300), (8, 600), (64, 300), (64, 600))
+
+
+def bench_sim() -> list[dict]:
+    from vllm_balance.sim.runner import SimOptions, build_workload, run_policy
+
+    rows = []
+    for dp, requests in SIM_CASES:
+        options = SimOptions(dp_size=dp, num_requests=requests, policies=("on",))
+        workload = build_workload(options)
+        run = run_policy(options, "on", workload)
+        steps = run.summary.steps
+        rows.append(
+            {
+                "dp": dp,
+                "requests": requests,
+                "steps": steps,
+                "wall_s": round(run.wall_s, 2),
+                "steps_per_s": round(steps / run.wall_s, 1),
+                "rank_steps_per_s": round(steps * dp / run.wall_s, 1),
+            }
+        )
+        print(f"  sim DP={dp} requests={requests} done", file=sys.stderr)
+    return rows
+
+
+# -- report ------------------------------------------------------------------------------------
+def markdown(results: dict) -> str:
+    out = []
+    if "schedule" in results:
+        r = results["schedule"]
+        out += [
+            f"schedule() on the {r['active_path']} path, {r['reps']} interleaved repetitions, "
+            "ratio of medians vs upstream `Scheduler`:",
+            "",
+            "| DP | step | upstream ms | on, gate open | on, gate frozen |",
+            "|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {x['dp']} | {x['workload']} | {x['upstream_ms']:.3f} | {x['on_open_ratio']:.3f}x "
+            f"| {x['on_frozen_ratio']:.3f}x |"
+            for x in r["rows"]
+        ]
+        gate = ", ".join(f"DP={dp}: {us} µs" for dp, us in r["gate_us"].items())
+        out += ["", f"Gate decision `leader_at_cap()` alone (median): {gate}.", ""]
+    if "gather" in results:
+        out += [
+            "| DP | balance_gather µs | bare all_reduce µs | bare all_gather µs "
+            "| gather / all_reduce | gather / all_gather |",
+            "|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {x['dp']} | {x['balance_gather_us']} | {x['all_reduce_us']} | "
+            f"{x['all_gather_us']} | {x['gather_vs_all_reduce']:.2f}x | "
+            f"{x['gather_vs_all_gather']:.2f}x |"
+            for x in results["gather"]
+        ]
+        out.append("")
+    if "sim" in results:
+        out += [
+            "| DP | requests | steps | wall s | steps/s | rank-steps/s |",
+            "|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {x['dp']} | {x['requests']} | {x['steps']} | {x['wall_s']} | "
+            f"{x['steps_per_s']} | {x['rank_steps_per_s']} |"
+            for x in results["sim"]
+        ]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--parts", default="schedule,gather,sim", help="comma-separated subset")
+    p.add_argument("--reps", type=int, default=30, help="schedule() repetitions per variant")
+    p.add_argument("--gather-iters", type=int, default=500)
+    p.add_argument("--json", help="also write the results to this file")
+    args = p.parse_args(argv)
+    parts = set(args.parts.split(","))
+    results: dict = {}
+    if "schedule" in parts:
+        results["schedule"] = bench_schedule(args.reps)
+    if "gather" in parts:
+        results["gather"] = bench_gather(args.gather_iters)
+    if "sim" in parts:
+        results["sim"] = bench_sim()
+    import vllm
+
+    results["vllm_version"] = vllm.__version__
+    results["command"] = "python benchmarks/run.py " + " ".join(argv or sys.argv[1:])
+    print(markdown(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

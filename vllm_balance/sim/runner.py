@@ -1,0 +1,167 @@
+"""One simulator run: build the workload once, replay it under each policy, collect results."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_balance.sim.policies import DEFAULT_POLICIES, make_policy
+from vllm_balance.sim.router import make_router
+from vllm_balance.sim.stepmodel import StepTimeModel
+from vllm_balance.sim.workload import (
+    Arrival,
+    LengthDist,
+    generate_arrivals,
+    load_trace,
+    rate_for_concurrency,
+)
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Everything that decides the simulated numbers (wall-clock never does)."""
+
+    dp_size: int = 8
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 8192
+    num_requests: int = 2000
+    concurrency: int | None = None  # default dp_size * max_num_seqs
+    rate_per_s: float | None = None  # overrides concurrency
+    arrivals: str = "poisson"
+    burstiness: float = 0.25
+    prompt_len: str = "uniform:128:1024"
+    output_len: str = "longtail:128"
+    trace: str | None = None
+    router: str = "least-loaded"
+    staleness: str = "stale+bump"
+    snapshot_interval_ms: float = 100.0
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    seed: int = 0
+    num_gpu_blocks: int | None = None  # default: enough that KV never preempts
+    step_model: StepTimeModel = field(default_factory=StepTimeModel)
+
+    @property
+    def target_concurrency(self) -> int:
+        return self.concurrency or self.dp_size * self.max_num_seqs
+
+
+@dataclass
+class Workload:
+    arrivals: list[Arrival]
+    rate_per_s: float | None
+
+
+def estimated_step_s(options: SimOptions, mean_prompt: float, mean_output: float) -> float:
+    """Model step time at the target concurrency, for the arrival rate (an estimate).
+
+    In steady state the cluster admits ``concurrency / output_len`` requests per step; the
+    lockstep step lasts as long as the rank with the most prefill, which is about one prompt
+    per step once the cluster admits one or more per step (more when admissions outnumber
+    ranks). Decode cost is every rank's share of the concurrency.
+    """
+    concurrency = options.target_concurrency
+    admissions_per_step = concurrency / mean_output
+    prompts_on_slowest_rank = max(
+        min(1.0, admissions_per_step), admissions_per_step / options.dp_size
+    )
+    return (
+        options.step_model.rank_time_ms(
+            int(mean_prompt * prompts_on_slowest_rank), int(concurrency / options.dp_size)
+        )
+        / 1000.0
+    )
+
+
+def build_workload(options: SimOptions) -> Workload:
+    if options.trace:
+        return Workload(load_trace(options.trace), None)
+    prompt, output = LengthDist.parse(options.prompt_len), LengthDist.parse(options.output_len)
+    rate = options.rate_per_s or rate_for_concurrency(
+        options.target_concurrency, output.mean, estimated_step_s(options, prompt.mean, output.mean)
+    )
+    arrivals = generate_arrivals(
+        options.num_requests,
+        rate,
+        prompt,
+        output,
+        options.seed,
+        options.arrivals,
+        options.burstiness,
+    )
+    return Workload(arrivals, rate)
+
+
+def cluster_config(options: SimOptions, arrivals: Sequence[Arrival]):
+    from vllm_balance.factories import BLOCK_SIZE
+    from vllm_balance.sim.engine import ClusterConfig
+
+    longest = max(a.prompt_len + a.output_len for a in arrivals)
+    max_model_len = -(-longest // BLOCK_SIZE) * BLOCK_SIZE
+    blocks = options.num_gpu_blocks or options.max_num_seqs * (max_model_len // BLOCK_SIZE + 1) + 1
+    return ClusterConfig(
+        dp_size=options.dp_size,
+        max_num_seqs=options.max_num_seqs,
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        max_model_len=max(max_model_len, 16),
+        num_gpu_blocks=blocks,
+    )
+
+
+def scenario_json(options: SimOptions, workload: Workload, import_vllm: bool = True) -> dict:
+    scenario = dataclasses.asdict(options)
+    scenario["policies"] = list(options.policies)
+    scenario["trace"] = Path(options.trace).name if options.trace else None
+    scenario["target_concurrency"] = options.target_concurrency
+    scenario["rate_per_s"] = round(workload.rate_per_s, 6) if workload.rate_per_s else None
+    scenario["num_requests"] = len(workload.arrivals)
+    if import_vllm:
+        import vllm
+
+        import vllm_balance
+
+        scenario["vllm_version"] = vllm.__version__
+        scenario["balance_path"] = vllm_balance.active_path()
+    return scenario
+
+
+@dataclass
+class PolicyRun:
+    cluster: Any
+    summary: Any
+    wall_s: float  # terminal only; kept out of the JSON
+
+
+def run_policy(
+    options: SimOptions,
+    spec: str,
+    workload: Workload,
+    on_step: Callable[[Any], None] | None = None,
+) -> PolicyRun:
+    from vllm_balance.sim.engine import Cluster
+    from vllm_balance.sim.metrics import summarize
+
+    router = make_router(
+        options.router, options.dp_size, options.staleness, options.snapshot_interval_ms / 1000.0
+    )
+    cluster = Cluster(
+        cluster_config(options, workload.arrivals),
+        make_policy(spec),
+        router,
+        options.step_model,
+        workload.arrivals,
+    )
+    start = time.perf_counter()
+    cluster.run(on_step)
+    wall = time.perf_counter() - start
+    return PolicyRun(cluster, summarize(cluster), wall)
+
+
+def quiet_vllm_logs() -> None:
+    """vLLM logs INFO lines on every config; the terminal is for the progress bar and table."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
