@@ -179,3 +179,23 @@ def test_same_arrivals_for_every_policy(tiny_workload):
 def test_run_policy_rejects_unknown_policy(tiny_workload):
     with pytest.raises(ValueError, match="policy 'sometimes'"):
         run_policy(TINY, "sometimes", tiny_workload)
+
+
+@pytest.mark.parametrize("policy", ["on", "bounded-hold:3"])
+def test_product_counters_match_the_simulators_accounting(tiny_runs, policy):
+    """The schedulers' own BalanceStats agree with what the simulator logged on the same run."""
+    _, runs = tiny_runs
+    [run] = [r for r in runs if r.cluster.policy.name == policy]
+    log, schedulers = run.cluster.log, run.cluster.schedulers
+    stats = [s.balance_stats for s in schedulers]
+    # One gather per simulated step on every rank, and the gathered vectors are the running counts.
+    assert all(s.gathers == len(log.time_s) for s in stats)
+    largest_gap = max(max(row) - min(row) for row in log.running)
+    assert all(s.largest_gap == largest_gap for s in stats)
+    assert all(
+        (s.gathered_max, s.gathered_min) == (max(log.running[-1]), min(log.running[-1]))
+        for s in stats
+    )
+    # The simulator's "held" step is one where some scheduling rank was frozen.
+    held_steps = sum(log.held)
+    assert max(s.frozen_steps for s in stats) <= held_steps <= sum(s.frozen_steps for s in stats)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from vllm_balance.sim.policies import DEFAULT_POLICIES
 from vllm_balance.sim.router import STALENESS_MODES
-from vllm_balance.sim.runner import SimOptions, quiet_vllm_logs
+from vllm_balance.sim.runner import SimOptions, quiet_vllm_logs, show_balance_log_lines
 from vllm_balance.sim.stepmodel import StepModelError, StepTimeModel, load_step_model
 from vllm_balance.sim.workload import WorkloadError
 
@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-gpu-blocks", type=int, help="KV blocks per rank (default: never preempts)")
     add("--step-model", help="JSON/TOML file overriding step-time model keys")
     add("--out", default="out/sim", help="directory for sim.json and the PNGs")
+    add(
+        "--balance-log-interval-s",
+        type=float,
+        default=0.0,
+        help="print the product's per-rank 'Balance DPn' log line every N wall seconds (0 = off)",
+    )
     add("--no-plots", action="store_true")
     add("--no-progress", action="store_true")
     return p
@@ -119,6 +125,8 @@ def simulate(options: SimOptions, out_dir: Path, plots: bool = True, progress: b
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_vllm_logs()
+    if args.balance_log_interval_s:
+        show_balance_log_lines(args.balance_log_interval_s)
     try:
         options = options_from_args(args)
         start = time.perf_counter()

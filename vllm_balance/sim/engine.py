@@ -19,6 +19,7 @@ a gather, contract 3), and a new wave starts (vLLM resets ``step_counter``).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,13 @@ def _step_cost(model: StepTimeModel, scheduler: Any, output: Any) -> float:
     return model.rank_time_ms(prefill_tokens, decode_requests, kv_tokens)
 
 
+def _rank_config(vllm_config: Any, rank: int) -> Any:
+    """A copy of the cluster's config for one DP rank (its log lines say which rank)."""
+    rank_config = copy.deepcopy(vllm_config)
+    rank_config.parallel_config.data_parallel_rank = rank
+    return rank_config
+
+
 def _admitted(output: Any) -> int:
     return len(output.scheduled_new_reqs) + len(output.scheduled_cached_reqs.resumed_req_ids)
 
@@ -108,12 +116,12 @@ class Cluster:
             max_model_len=config.max_model_len,
             num_gpu_blocks=config.num_gpu_blocks,
             data_parallel_size=config.dp_size,
-            additional_config={"enable_balance_scheduling": True} if policy.balance else None,
+            additional_config=policy.additional_config(),
         )
         cls = policy.scheduler_class()
-        # One config object for all ranks: ranks differ only in data_parallel_rank, which the
-        # scheduler does not read.
-        self.schedulers = [make_scheduler(cls, vllm_config) for _ in range(config.dp_size)]
+        self.schedulers = [
+            make_scheduler(cls, _rank_config(vllm_config, rank)) for rank in range(config.dp_size)
+        ]
         self.now_s = 0.0
         self.next_arrival = 0
         self.step_in_wave = 0
@@ -164,6 +172,9 @@ class Cluster:
             for scheduler in self.schedulers:
                 for tensor, count in zip(scheduler.balance_queue, counts):
                     tensor.fill_(count)
+                # What balance_gather() does right after its all_gather: the product's own
+                # accounting (stats, the opt-in bounded hold) sees the same vector.
+                scheduler.observe_gathered()
         return counts
 
     def _record_tokens(self, engine_outputs: dict) -> None:

@@ -11,9 +11,8 @@ Every policy runs real vLLM schedulers of the installed pin:
   ``step_counter % N == 0``; the counter restarts at every wave), N = 2 by default;
 - ``trtllm-adp[:TIMEOUT[:WAIT]]``: TensorRT-LLM's attention-DP balance, see
   :class:`TrtllmAdpBalance`;
-- ``bounded-hold:K``: the gate, but after K consecutive frozen steps admission opens for one
-  step on all ranks (the opt-in bound proposed in issue 6, modelled here until the product
-  offers it).
+- ``bounded-hold:K``: the product's opt-in bounded hold (``balance_max_frozen_steps: K``):
+  the gate, but after K consecutive frozen steps admission opens for one step on all ranks.
 
 Variants of the gate are small subclasses of the product's class that override only
 ``leader_at_cap()``, the once-per-step decision its ``schedule()`` consumes; everything else,
@@ -69,30 +68,6 @@ def held_admission_class() -> type:
     return HeldAdmissionScheduler
 
 
-@functools.cache
-def bounded_hold_class(max_frozen_steps: int) -> type:
-    base = balance_scheduler_class()
-
-    class BoundedHoldScheduler(base):  # type: ignore[misc, valid-type]
-        """The gate, opened for one step after ``max_frozen_steps`` consecutive frozen steps.
-
-        Every rank counts from the same gathered vectors, so all ranks open on the same step
-        without any extra collective.
-        """
-
-        consecutive_frozen = 0
-
-        def leader_at_cap(self) -> bool:
-            frozen = super().leader_at_cap()
-            if frozen and self.consecutive_frozen >= max_frozen_steps:
-                self.consecutive_frozen = 0
-                return False
-            self.consecutive_frozen = self.consecutive_frozen + 1 if frozen else 0
-            return frozen
-
-    return BoundedHoldScheduler
-
-
 def upstream_scheduler_class() -> type:
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -104,6 +79,14 @@ class Policy:
 
     name: str = ""
     balance: bool = False  # enable_balance_scheduling in the ranks' config
+    # Seconds between the product's per-rank log lines (balance_log_interval_s); 0 = off.
+    log_interval_s: float = 0.0
+
+    def additional_config(self) -> dict | None:
+        """The ranks' ``additional_config``: how an operator would configure this policy."""
+        if not self.balance:
+            return None
+        return {"enable_balance_scheduling": True, "balance_log_interval_s": self.log_interval_s}
 
     def scheduler_class(self) -> type:
         return upstream_scheduler_class()
@@ -143,8 +126,8 @@ class BoundedHoldPolicy(ContractPolicy):
         self.max_frozen_steps = max_frozen_steps
         self.name = f"bounded-hold:{max_frozen_steps}"
 
-    def scheduler_class(self) -> type:
-        return bounded_hold_class(self.max_frozen_steps)
+    def additional_config(self) -> dict | None:
+        return {**super().additional_config(), "balance_max_frozen_steps": self.max_frozen_steps}
 
 
 class VllmCadencePolicy(Policy):

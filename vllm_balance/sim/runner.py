@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -165,3 +166,20 @@ def quiet_vllm_logs() -> None:
     """vLLM logs INFO lines on every config; the terminal is for the progress bar and table."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+
+
+def show_balance_log_lines(interval_s: float) -> None:
+    """Let the product's periodic per-rank log line through (wall-clock, not in the JSON)."""
+    import logging
+
+    from vllm_balance.sim.policies import Policy
+
+    Policy.log_interval_s = interval_s
+    # vLLM's handler filters at VLLM_LOGGING_LEVEL (quieted to WARNING above): give the
+    # product's logger its own INFO handler in vLLM's line format instead.
+    logger = logging.getLogger("vllm_balance")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("INFO %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
+    logger.handlers = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False

@@ -1,0 +1,106 @@
+"""The full engine through vLLM's own launcher: front-end client, DP coordinator, engine processes.
+
+    python -m tests.multiproc.entrypoint     # prints one JSON line
+
+Nothing here plays a vLLM role: ``EngineCoreClient.make_async_mp_client`` (the ``AsyncLLM`` path)
+starts vLLM's ``DPCoordinator`` process and one process per DP rank whose target is
+``EngineCoreProc.run_engine_core``, which is our activation wrapper because the package's plugin
+``register()`` ran first (as vLLM's ``load_general_plugins()`` does in a front end). The only
+stand-in is the executor class, passed like any ``distributed_executor_backend`` class.
+
+Each engine process is then asked (``collective_rpc("harness_engine_facts")``) what it runs, so
+the test sees the activation wrapper, the module-name swap and the scheduler selection as they
+happened in processes vLLM created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+
+async def drive(dp_size: int) -> dict:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.core_client import EngineCoreClient
+
+    import vllm_balance.plugin
+    from tests.multiproc.standin import StandInExecutor
+    from tests.multiproc.traces import CAP
+    from vllm_balance.factories import make_vllm_config
+
+    vllm_balance.plugin.register()
+    vllm_config = make_vllm_config(
+        moe=True,
+        max_num_seqs=CAP,
+        max_model_len=2048,
+        data_parallel_size=dp_size,
+        additional_config={"enable_balance_scheduling": True},
+    )
+    # All ranks on this host (ParallelConfig defaults to one local rank, and the launcher then
+    # waits for the others to connect from elsewhere).
+    vllm_config.parallel_config.data_parallel_size_local = dp_size
+    started = time.monotonic()
+    client = EngineCoreClient.make_async_mp_client(vllm_config, StandInExecutor, False)
+    try:
+        startup_seconds = time.monotonic() - started
+        expected = {}
+        for i in range(3 * dp_size):
+            request_id = f"entry-{i}"
+            expected[request_id] = 3 + i
+            await client.add_request_async(
+                EngineCoreRequest(
+                    request_id=request_id,
+                    prompt_token_ids=[1 + (i * 7 + j) % 500 for j in range(8 + i)],
+                    mm_features=None,
+                    sampling_params=SamplingParams(max_tokens=3 + i, ignore_eos=True),
+                    pooling_params=None,
+                    arrival_time=time.time(),
+                    lora_request=None,
+                    cache_salt=None,
+                    data_parallel_rank=i % dp_size,
+                )
+            )
+        tokens = dict.fromkeys(expected, 0)
+        finished: set[str] = set()
+        deadline = time.monotonic() + 120
+        while len(finished) < len(expected) and time.monotonic() < deadline:
+            outputs = await asyncio.wait_for(client.get_output_async(), timeout=60)
+            for output in outputs.outputs:
+                tokens[output.request_id] += len(output.new_token_ids)
+                if output.finish_reason is not None:
+                    finished.add(output.request_id)
+        # call_utility_async returns only the first engine's answer; ask each engine directly.
+        facts = [
+            (
+                await client._call_utility_async(
+                    "collective_rpc", "harness_engine_facts", engine=engine
+                )
+            )[0]
+            for engine in client.core_engines
+        ]
+        return {
+            "startup_seconds": startup_seconds,
+            "expected": expected,
+            "tokens": tokens,
+            "finished": sorted(finished),
+            "facts": facts,
+        }
+    finally:
+        client.shutdown()
+
+
+def main() -> None:
+    import faulthandler
+    import signal
+
+    # Inherited by the engine processes vLLM forks: SIGUSR1 dumps any of them (hang diagnosis).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    dp_size = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    print("ENTRYPOINT-RESULT " + json.dumps(asyncio.run(drive(dp_size))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Soak: randomized traces across DP 2..4 through the real DP busy loop (``nox -s soak``).
+
+    VLLM_BALANCE_SOAK_TRACES=200 python -m pytest -m slow tests/multiproc/test_soak.py
+
+Traces are spread evenly over DP 2, 3 and 4 and run on one long-lived cluster per DP size;
+each trace passes every per-run invariant of ``harness.check_trace``. Seeds are fixed
+(``VLLM_BALANCE_SOAK_SEED``), so a failing trace is reproduced by its name.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.multiproc.harness import Cluster, check_trace
+from tests.multiproc.traces import random_trace
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+
+TRACES = int(os.environ.get("VLLM_BALANCE_SOAK_TRACES", "201"))
+SEED = int(os.environ.get("VLLM_BALANCE_SOAK_SEED", "0"))
+DP_SIZES = (2, 3, 4)
+
+
+@pytest.mark.parametrize("dp", DP_SIZES)
+def test_soak_random_traces_complete(dp):
+    seeds = [SEED + i for i in range(TRACES) if i % len(DP_SIZES) == DP_SIZES.index(dp)]
+    started = time.monotonic()
+    frozen_steps = gathers = 0
+    with Cluster(dp, mode="balance") as cluster:
+        for seed in seeds:
+            summary = check_trace(cluster.run_trace(random_trace(seed, dp)))
+            frozen_steps += summary.frozen_steps
+            gathers += summary.gathers
+    assert cluster.leftover_processes() == []
+    print(
+        f"\nsoak dp={dp}: {len(seeds)} traces, 0 hangs, {gathers} gathers, "
+        f"{frozen_steps} frozen-gate steps, {time.monotonic() - started:.1f} s"
+    )
+    assert frozen_steps > 0, "the random traces never drove the gate closed"
