@@ -23,6 +23,13 @@ import vllm.v1.core.sched.scheduler as scheduler_module
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from pins import read_pin
+from vllm_balance.selection import has_seam
+
+if has_seam():
+    # The seam sessions run the shim; compat is never selected there (and would rightly
+    # refuse the seamed schedule() as unverified). Its drift test runs in the compat sessions.
+    pytest.skip("vLLM has the seam: the compat path is not used", allow_module_level=True)
+
 from vllm_balance.compat import derive
 from vllm_balance.compat.derive import (
     ALLOW_UNVERIFIED_ENV,
