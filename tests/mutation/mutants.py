@@ -1,0 +1,222 @@
+"""Deliberately wrong variants of balance scheduling; the suite must kill every one.
+
+Each mutant is applied in the pytest process before any test module is imported (see
+``pytest_mutant``), by replacing one method of the shared ``BalanceSchedulerMixin`` (both paths
+use it) or, for what only exists in the Phase 2A copy, by changing what ``compat.derive`` splices
+into the derived ``schedule()`` (its delta constants and the derived text are read at derivation
+time, so no hook is needed in ``derive``). Nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    wrong: str  # what the variant does, for the kill table
+    paths: tuple[str, ...]  # "shim" and/or "compat": where the variant exists
+    apply: Callable[[], None]
+
+
+def _mixin():
+    from vllm_balance.shim.scheduler import BalanceSchedulerMixin
+
+    return BalanceSchedulerMixin
+
+
+def _gathered_max(scheduler) -> int:
+    return max(int(t.item()) for t in scheduler.balance_queue)
+
+
+def gate_ge_cap_minus_1() -> None:
+    _mixin().leader_at_cap = lambda self: _gathered_max(self) >= self.max_num_running_reqs - 1
+
+
+def gate_wrong_cap() -> None:
+    # The token budget instead of the request cap: both are "the scheduler's max".
+    _mixin().leader_at_cap = lambda self: _gathered_max(self) == self.max_num_scheduled_tokens
+
+
+def catch_up_to_leader() -> None:
+    mixin = _mixin()
+
+    def schedule(self, throttle_prefills: bool = False):
+        if not self._balance_enabled:
+            return super(mixin, self).schedule(throttle_prefills)
+        # No freeze; instead the cap is lowered to the leader's count for this step.
+        self.admission_frozen = False
+        cap = self.max_num_running_reqs
+        self.max_num_running_reqs = min(cap, _gathered_max(self))
+        try:
+            return super(mixin, self).schedule(throttle_prefills)
+        finally:
+            self.max_num_running_reqs = cap
+
+    mixin.schedule = schedule
+
+
+def _stop_condition_at_step_start(scheduler) -> bool:
+    """Upstream's WAITING stop condition (0.24: ``==``; 0.25: ``>=`` incl. streaming waits)."""
+    running = len(scheduler.running) + getattr(scheduler, "num_waiting_for_streaming_input", 0)
+    return running >= scheduler.max_num_running_reqs
+
+
+def gate_only_before_loop() -> None:
+    """The whole WAITING stop decision taken once when ``schedule()`` starts (see mutation.md)."""
+    mixin = _mixin()
+
+    def schedule(self, throttle_prefills: bool = False):
+        if self._balance_enabled:
+            self.admission_frozen = self.leader_at_cap()
+            self._stop_decided_once = _stop_condition_at_step_start(self) or self.admission_frozen
+        return super(mixin, self).schedule(throttle_prefills)
+
+    mixin.schedule = schedule
+
+    # Shim path: the seam returns the decision taken at step start.
+    def should_stop_admitting_waiting(self) -> bool:
+        if not self._balance_enabled:
+            return super(mixin, self)._should_stop_admitting_waiting()
+        return self._stop_decided_once
+
+    mixin._should_stop_admitting_waiting = should_stop_admitting_waiting
+    # Compat path: the derived loop tests the same decision instead of upstream's inline check.
+    from vllm_balance.compat import derive
+
+    real_derive_source = derive.derive_source
+    inline_check = re.compile(
+        r"^(?P<indent>\s*)if (?:len\(self\.running\) ==|num_running >=) "
+        r"self\.max_num_running_reqs:$",
+        re.MULTILINE,
+    )
+
+    def derive_source(*args, **kwargs):
+        derived = real_derive_source(*args, **kwargs)
+        source, count = inline_check.subn(r"\g<indent>if self._stop_decided_once:", derived.source)
+        assert count == 1, f"gate_only_before_loop: {count} inline stop checks found"
+        return dataclasses.replace(derived, source=source)
+
+    derive.derive_source = derive_source
+
+
+def disabled_allocates_balance_queue() -> None:
+    import torch
+
+    mixin = _mixin()
+    real_init = mixin.__init__
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        real_init(self, vllm_config, *args, **kwargs)
+        if not self._balance_enabled:
+            dp_size = vllm_config.parallel_config.data_parallel_size
+            self.balance_queue = [torch.zeros(1, dtype=torch.int32) for _ in range(dp_size)]
+
+    mixin.__init__ = __init__
+
+
+def disabled_calls_all_gather() -> None:
+    import torch
+    import torch.distributed as dist
+
+    mixin = _mixin()
+    real_gather = mixin.balance_gather
+
+    def balance_gather(self):
+        if self._balance_enabled or self.dp_group is None:
+            return real_gather(self)
+        dp_size = self.vllm_config.parallel_config.data_parallel_size
+        counts = [torch.zeros(1, dtype=torch.int32) for _ in range(dp_size)]
+        payload = torch.tensor([len(self.running)], dtype=torch.int32)
+        dist.all_gather(counts, payload, group=self.dp_group)
+
+    mixin.balance_gather = balance_gather
+
+
+def gather_payload_len_waiting() -> None:
+    import torch
+    import torch.distributed as dist
+
+    def balance_gather(self):
+        if not self._balance_enabled or self.dp_group is None:
+            return
+        payload = torch.tensor([len(self.waiting)], dtype=torch.int32)
+        dist.all_gather(self.balance_queue, payload, group=self.dp_group)
+
+    _mixin().balance_gather = balance_gather
+
+
+def delta3_reverted_to_assert() -> None:
+    from vllm_balance.compat import derive
+
+    # Upstream's statement in place of delta 3 (the anchor it replaces).
+    derive.DELTA_NO_QUEUE = (derive.QUEUE_ASSERT,)
+
+
+MUTANTS = {
+    m.name: m
+    for m in (
+        Mutant(
+            "gate_ge_cap_minus_1",
+            "gate `max >= cap - 1` (shipped once, reverted)",
+            ("shim", "compat"),
+            gate_ge_cap_minus_1,
+        ),
+        Mutant(
+            "gate_wrong_cap",
+            "gate `max == max_num_scheduled_tokens` (token budget, not the request cap)",
+            ("shim", "compat"),
+            gate_wrong_cap,
+        ),
+        Mutant(
+            "catch_up_to_leader",
+            "no freeze; cap lowered to `min(cap, max(balance_queue))` during schedule()",
+            ("shim", "compat"),
+            catch_up_to_leader,
+        ),
+        Mutant(
+            "gate_only_before_loop",
+            "WAITING stop decision (upstream's cap check + gate) taken once per step",
+            ("shim", "compat"),
+            gate_only_before_loop,
+        ),
+        Mutant(
+            "disabled_allocates_balance_queue",
+            "balance off still allocates `balance_queue`",
+            ("shim", "compat"),
+            disabled_allocates_balance_queue,
+        ),
+        Mutant(
+            "disabled_calls_all_gather",
+            "balance off still all-gathers when a DP group is injected",
+            ("shim", "compat"),
+            disabled_calls_all_gather,
+        ),
+        Mutant(
+            "delta3_reverted_to_assert",
+            "Phase 2A delta 3 back to `assert request_queue is not None`",
+            ("compat",),
+            delta3_reverted_to_assert,
+        ),
+        Mutant(
+            "gather_payload_len_waiting",
+            "gather payload `len(self.waiting)`",
+            ("shim", "compat"),
+            gather_payload_len_waiting,
+        ),
+    )
+}
+
+
+def apply(name: str) -> None:
+    """Apply mutant ``name`` (``"none"``: the baseline) before anything imports compat's class."""
+    if name == "none":
+        return
+    # The compat mutants change what derive splices; the derived class must not exist yet.
+    assert "vllm_balance.compat.scheduler" not in sys.modules, "mutant applied too late"
+    MUTANTS[name].apply()

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Mutation check: every deliberately wrong variant must make the suite fail.
+
+    python tests/mutation/run.py                    # baseline + every mutant of the active path
+    python tests/mutation/run.py --mutant gate_wrong_cap --profile soak
+    python tests/mutation/run.py --write-doc        # also update the kill table in docs/mutation.md
+
+One pytest process per mutant (the mutant is applied by the ``pytest_mutant`` plugin before any
+test module is imported), on the installed vLLM: the compat path without the seam, the shim path
+with it. The unmutated baseline runs first and must pass; then each mutant must be killed, i.e.
+pytest must fail, and the table lists which tests failed. Exit status 1 if the baseline fails or
+a mutant survives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+from mutants import MUTANTS  # noqa: E402
+
+DOC = ROOT / "docs" / "mutation.md"
+SUITE = ["tests/test_differential.py", "tests/test_gate_oracle.py", "tests/test_contract.py"]
+# The Phase 2A copy's own tests: delta 3 is reachable only through a selection returning None.
+COMPAT_SUITE = ["tests/test_compat_behaviour.py", "tests/test_compat_derive.py"]
+
+
+def run_pytest(mutant: str, files: list[str], profile: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="vllm-balance-mutant-") as tmp:
+        report, junit = Path(tmp) / "applied.json", Path(tmp) / "junit.xml"
+        env = dict(
+            os.environ,
+            VLLM_BALANCE_MUTANT=mutant,
+            VLLM_BALANCE_MUTANT_REPORT=str(report),
+            VLLM_BALANCE_DIFFERENTIAL_PROFILE=profile,
+            PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+        )
+        command = [
+            sys.executable, "-m", "pytest", "-p", "pytest_mutant", "-p", "no:cacheprovider",
+            "-q", "-m", "not slow", f"--junitxml={junit}", *files,
+        ]  # fmt: skip
+        started = time.monotonic()
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        elapsed = time.monotonic() - started
+        applied = json.loads(report.read_text()) if report.exists() else None
+        failed = _failed_tests(junit) if junit.exists() else []
+    return {
+        "mutant": mutant,
+        "returncode": result.returncode,
+        "applied": applied,
+        "failed": failed,
+        "seconds": elapsed,
+        "tail": (result.stdout + result.stderr)[-3000:],
+    }
+
+
+def _failed_tests(junit: Path) -> list[str]:
+    failed = []
+    for case in ET.parse(junit).iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            module = case.get("classname", "").rsplit(".", 1)[-1]
+            failed.append(f"{module}::{case.get('name')}")
+    return failed
+
+
+def active_path() -> str:
+    code = "import vllm_balance; print(vllm_balance.active_path())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def table(path: str, vllm_version: str, rows: list[dict], command: str) -> str:
+    lines = [
+        f"### {path} path (vLLM {vllm_version})",
+        "",
+        f"`{command}`",
+        "",
+        "| mutant | what is wrong | killed | killed by | s |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        name = row["mutant"]
+        wrong = "unmutated baseline (must pass)" if name == "none" else MUTANTS[name].wrong
+        if name == "none":
+            verdict = "passes" if row["returncode"] == 0 else "**FAILS**"
+        else:
+            verdict = "yes" if killed(row) else "**NO**"
+        by = "<br>".join(f"`{t}`" for t in row["failed"]) or "-"
+        lines.append(f"| `{name}` | {wrong} | {verdict} | {by} | {row['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def killed(row: dict) -> bool:
+    return row["returncode"] != 0 and bool(row["failed"])
+
+
+def write_doc(path: str, section: str) -> None:
+    start, end = f"<!-- kill-table:{path}:start -->", f"<!-- kill-table:{path}:end -->"
+    text = DOC.read_text(encoding="utf-8")
+    head, found, rest = text.partition(start)
+    if not found:
+        raise SystemExit(f"{DOC}: no {start} marker")
+    _, found, tail = rest.partition(end)
+    if not found:
+        raise SystemExit(f"{DOC}: no {end} marker")
+    DOC.write_text(f"{head}{start}\n{section}{end}{tail}", encoding="utf-8")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mutant", action="append", choices=sorted(MUTANTS), default=None)
+    parser.add_argument("--profile", choices=("ci", "soak"), default="ci")
+    parser.add_argument("--write-doc", action="store_true")
+    args = parser.parse_args()
+
+    import importlib.metadata
+
+    vllm_version = importlib.metadata.version("vllm")
+    path = active_path()
+    files = SUITE + (COMPAT_SUITE if path == "compat" else [])
+    names = args.mutant or [n for n, m in MUTANTS.items() if path in m.paths]
+    print(f"vLLM {vllm_version}, {path} path; suite: {' '.join(files)}", flush=True)
+    rows = []
+    for name in ["none", *names]:
+        row = run_pytest(name, files, args.profile)
+        rows.append(row)
+        if row["applied"] is None or row["applied"]["mutant"] != name:
+            print(row["tail"])
+            raise SystemExit(f"mutant {name}: the plugin did not apply it; see the output above")
+        if row["applied"]["path"] != path:
+            raise SystemExit(f"mutant {name} ran on the {row['applied']['path']} path")
+        status = "passes" if row["returncode"] == 0 else f"fails: {row['failed']}"
+        print(f"{name}: {status} ({row['seconds']:.0f}s)", flush=True)
+        if name == "none" and row["returncode"] != 0:
+            print(row["tail"])
+            print("baseline fails: fix the suite before reading any kill table")
+            return 1
+    command = "python tests/mutation/run.py" + (" --write-doc" if args.write_doc else "")
+    section = table(path, vllm_version, rows, command)
+    print(section)
+    if args.write_doc and not args.mutant:
+        write_doc(path, section)
+    survivors = [r["mutant"] for r in rows[1:] if not killed(r)]
+    if survivors:
+        print(f"surviving mutants: {', '.join(survivors)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
