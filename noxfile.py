@@ -171,11 +171,17 @@ def vllm_own_tests(session: nox.Session) -> None:
     """vLLM's own tests/v1/core/test_scheduler.py, patched vs unpatched, at both pins."""
     for pin_name in ("release-tag", "main-verified"):
         install_pinned_vllm(session, pin_name)
-        session.run("python", "upstream_patch/run_vllm_tests.py", *session.posargs)
+        # Each run reports its numbers (passed/skipped/failed per side) on stdout and as JSON.
+        report = Path(session.create_tmp()) / f"vllm-own-tests-{pin_name}.json"
+        session.run(
+            "python", "upstream_patch/run_vllm_tests.py", "--report", str(report), *session.posargs
+        )
 
 
 @nox.session(name="seam-reach")
 def seam_reach(session: nox.Session) -> None:
     """Apply the seam to every vLLM release from the release tag to the newest; record a table."""
     install_pinned_vllm(session, "release-tag")
+    # Newer releases import a few more packages on the scheduler's import path.
+    session.install("-r", "upstream_patch/reach-requirements.txt")
     session.run("python", "upstream_patch/reach.py", *session.posargs)

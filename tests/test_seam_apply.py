@@ -1,0 +1,227 @@
+"""upstream_patch/apply.py: both modes apply the whole series or nothing, and are idempotent.
+
+``git`` mode runs on a scratch git repository holding the installed vLLM's scheduler.py at
+upstream's path (the unpatched text: reverted first if the seam sessions patched the install), so
+``git am`` meets the same blobs it meets on a real vLLM checkout. ``installed`` mode writes to a
+copy of the installed tree (``--root``); against the real install it runs only as ``--check``,
+because the shared test venvs must not change (the nox seam sessions apply it for real, and
+tests/test_seam_neutrality.py checks that they did).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+APPLY = ROOT / "upstream_patch" / "apply.py"
+sys.path.insert(0, str(ROOT / "upstream_patch"))
+
+from seam_patch import (  # noqa: E402
+    SCHEDULER_PATH,
+    SEAM_METHOD,
+    installed_version,
+    installed_vllm_root,
+    match_series,
+    scheduler_text,
+)
+
+GIT_ENV = {
+    "GIT_CONFIG_GLOBAL": os.devnull,
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_AUTHOR_NAME": "test",
+    "GIT_AUTHOR_EMAIL": "test@example.invalid",
+    "GIT_COMMITTER_NAME": "test",
+    "GIT_COMMITTER_EMAIL": "test@example.invalid",
+}
+
+
+def run_apply(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(APPLY), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **GIT_ENV},
+    ).stdout.strip()
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 1
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("apply.py: error: "), result.stderr
+
+
+@pytest.fixture(scope="module")
+def installed_source() -> str:
+    return (installed_vllm_root() / SCHEDULER_PATH).read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def match(installed_source):
+    return match_series(installed_source, installed_version() or None)
+
+
+@pytest.fixture(scope="module")
+def inline_check(match) -> str:
+    """The inline stop check the series replaces (a line inside its hunk)."""
+    (diff,) = match.series.scheduler_diffs()
+    return [ln[1:] for h in diff.hunks for ln in h.lines if ln[0] == "-"][-1].rstrip("\n")
+
+
+@pytest.fixture(scope="module")
+def unpatched_source(installed_source, match) -> str:
+    if match.already_seamed:
+        return scheduler_text(installed_source, match.series, reverse=True)
+    return installed_source
+
+
+@pytest.fixture(scope="module")
+def patched_source(unpatched_source, match) -> str:
+    return scheduler_text(unpatched_source, match.series)
+
+
+def test_series_for_the_installed_vllm_is_the_one_named_after_its_version(match):
+    version = installed_version()
+    assert match.series.ref == f"v{version}"
+
+
+# ------------------------------------------------------------------------------ installed mode
+
+
+def test_installed_check_is_a_dry_run_on_the_real_install(match):
+    target = installed_vllm_root() / SCHEDULER_PATH
+    before = hashlib.sha256(target.read_bytes()).hexdigest()
+
+    result = run_apply("installed", "--check")
+
+    assert result.returncode == 0, result.stderr
+    expected = "already applied; nothing to do" if match.already_seamed else "applies cleanly"
+    assert expected in result.stdout
+    assert hashlib.sha256(target.read_bytes()).hexdigest() == before
+
+
+@pytest.fixture
+def vllm_copy(tmp_path, unpatched_source) -> Path:
+    target = tmp_path / SCHEDULER_PATH
+    target.parent.mkdir(parents=True)
+    target.write_text(unpatched_source, encoding="utf-8")
+    return tmp_path
+
+
+def test_installed_applies_the_non_test_part_then_says_it_is_done(vllm_copy, patched_source):
+    target = vllm_copy / SCHEDULER_PATH
+
+    first = run_apply("installed", "--root", str(vllm_copy))
+    second = run_apply("installed", "--root", str(vllm_copy))
+
+    assert first.returncode == 0 and "applied (vllm/v1/core/sched/scheduler.py)" in first.stdout
+    assert target.read_text(encoding="utf-8") == patched_source
+    assert second.returncode == 0 and "already applied; nothing to do" in second.stdout
+    assert target.read_text(encoding="utf-8") == patched_source
+    assert not (vllm_copy / "tests").exists()  # the series' test file is for vLLM's tree only
+
+
+def test_installed_revert_restores_the_exact_original(vllm_copy, unpatched_source):
+    assert run_apply("installed", "--root", str(vllm_copy)).returncode == 0
+    result = run_apply("installed", "--root", str(vllm_copy), "--revert")
+    assert result.returncode == 0, result.stderr
+    assert (vllm_copy / SCHEDULER_PATH).read_text(encoding="utf-8") == unpatched_source
+
+
+def test_installed_refuses_a_scheduler_the_series_does_not_fit_and_writes_nothing(
+    vllm_copy, inline_check
+):
+    target = vllm_copy / SCHEDULER_PATH
+    # A fork that changed the line the series replaces: no series may apply, at any offset.
+    text = target.read_text(encoding="utf-8")
+    assert text.count(inline_check + "\n") == 1
+    mangled = text.replace(inline_check + "\n", inline_check + "  # fork\n")
+    target.write_text(mangled, encoding="utf-8")
+
+    result = run_apply("installed", "--root", str(vllm_copy))
+
+    assert_one_line_error(result)
+    assert "no series" in result.stderr
+    assert target.read_text(encoding="utf-8") == mangled
+
+
+# ------------------------------------------------------------------------------------ git mode
+
+
+@pytest.fixture
+def vllm_repo(tmp_path, unpatched_source, match) -> Path:
+    """A git repository with the release's scheduler.py at upstream's path, tagged as the ref."""
+    repo = tmp_path / "vllm"
+    (repo / SCHEDULER_PATH).parent.mkdir(parents=True)
+    (repo / SCHEDULER_PATH).write_text(unpatched_source, encoding="utf-8")
+    git(tmp_path, "init", "-q", "-b", "main", str(repo))
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "release")
+    git(repo, "tag", match.series.ref)
+    return repo
+
+
+def test_git_builds_the_fork_branch_with_the_series_commit(vllm_repo, match, patched_source):
+    result = run_apply("git", str(vllm_repo), "--ref", match.series.ref, env=GIT_ENV)
+
+    assert result.returncode == 0, result.stderr
+    branch = f"admission-seam-{match.series.ref}"
+    assert git(vllm_repo, "rev-parse", "--abbrev-ref", "HEAD") == branch
+    assert git(vllm_repo, "rev-parse", f"{branch}~1") == git(
+        vllm_repo, "rev-parse", match.series.ref
+    )
+    subject = git(vllm_repo, "log", "-1", "--format=%s")
+    assert subject.startswith("[Core] ")  # git am keeps vLLM's [Tag] (--keep-non-patch)
+    assert "Signed-off-by: vllm-balance-scheduling developers" in git(
+        vllm_repo, "log", "-1", "--format=%b"
+    )
+    assert (vllm_repo / SCHEDULER_PATH).read_text(encoding="utf-8") == patched_source
+    test_file = vllm_repo / "tests/v1/core/test_scheduler_admission_seam.py"
+    assert f"def {SEAM_METHOD}(self) -> bool:" in test_file.read_text(encoding="utf-8")
+    assert git(vllm_repo, "status", "--porcelain") == ""
+
+
+def test_git_again_says_the_branch_is_built(vllm_repo, match):
+    assert run_apply("git", str(vllm_repo), "--ref", match.series.ref, env=GIT_ENV).returncode == 0
+    git(vllm_repo, "checkout", "-q", "main")
+
+    result = run_apply("git", str(vllm_repo), "--ref", match.series.ref, env=GIT_ENV)
+
+    assert result.returncode == 0
+    assert "already carries the seam; nothing to do" in result.stdout
+
+
+def test_git_never_half_applies_a_series_that_does_not_fit(vllm_repo, inline_check):
+    target = vllm_repo / SCHEDULER_PATH
+    text = target.read_text(encoding="utf-8")
+    target.write_text(text.replace(inline_check + "\n", inline_check + "  # fork\n"))
+    git(vllm_repo, "commit", "-q", "-am", "fork change")
+    head = git(vllm_repo, "rev-parse", "HEAD")
+
+    # No series is named after HEAD, so every series is tried, each on a scratch index.
+    result = run_apply("git", str(vllm_repo), "--ref", "HEAD", env=GIT_ENV)
+
+    assert_one_line_error(result)
+    assert "no seam series applies to HEAD" in result.stderr
+    assert git(vllm_repo, "rev-parse", "HEAD") == head
+    assert git(vllm_repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+    assert git(vllm_repo, "branch", "--list", "admission-seam-*") == ""
+    assert git(vllm_repo, "status", "--porcelain") == ""
+    assert not (vllm_repo / ".git" / "rebase-apply").exists()

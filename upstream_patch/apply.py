@@ -1,0 +1,228 @@
+"""Apply the seam series: build the fork branch on a vLLM checkout, or patch an installed vLLM.
+
+    python upstream_patch/apply.py git <vllm-checkout> [--ref REF] [--branch NAME]
+    python upstream_patch/apply.py installed [--check] [--revert] [--root SITE_DIR]
+
+``git``: checks that the series for REF applies (on a scratch index, nothing in the checkout is
+touched), then creates a branch at REF and ``git am``s the series onto it (author, message and
+Signed-off-by as in the patches). The series is the directory named after REF when there is one
+(``--ref v0.24.0``), else the first series, newest first, that applies to REF.
+
+``installed``: patches the non-test part (``vllm/...``) of the series into the vLLM that this
+interpreter imports, found with importlib without importing it. The series is picked by trying,
+in this order, the directory named after the installed version and then every other series newest
+first; the first one that applies exactly is used. Matching the version alone would refuse a
+post-release or fork build whose scheduler is unchanged from a release; trying alone could pick a
+neighbour's series, which is harmless (it applied without fuzz, so the result is the same text)
+but makes the message confusing, hence the version goes first.
+
+Both modes check everything before changing anything, and either apply the whole series or
+nothing; a series that does not apply fails with one line on stderr and exit status 1. Running
+either mode again on an already-seamed tree says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from seam_patch import (  # noqa: E402
+    SCHEDULER_PATH,
+    SEAM_METHOD,
+    PatchError,
+    Series,
+    all_series,
+    apply_diffs,
+    installed_version,
+    installed_vllm_root,
+    match_series,
+    series_for_ref,
+)
+
+DEFAULT_IDENTITY = (
+    "vllm-balance-scheduling developers",
+    "developers@vllm-balance-scheduling.invalid",
+)
+
+
+class ApplyError(RuntimeError):
+    """One line for the user; the script exits 1."""
+
+
+# ----------------------------------------------------------------------------- installed mode
+
+
+def apply_installed(root: Path | None, check: bool, revert: bool) -> str:
+    if root is None:
+        root = installed_vllm_root()
+        version = installed_version()
+    else:
+        version = ""  # a copied tree has no distribution metadata: try every series
+    path = root / SCHEDULER_PATH
+    try:
+        source = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ApplyError(f"cannot read {path}: {exc.strerror}") from exc
+    where = f"vLLM {version or '(version unknown)'} at {root}"
+    try:
+        match = match_series(source, version or None)
+    except PatchError as exc:
+        if f"def {SEAM_METHOD}(" in source:
+            # A vLLM that has the seam from upstream or from another patch: nothing to do.
+            return f"{where} already defines {SEAM_METHOD}; nothing to do"
+        raise ApplyError(f"{where}: {exc}") from exc
+    series = match.series
+    if match.already_seamed != revert:
+        state = "already applied" if not revert else "not applied"
+        return f"{where}: series {series.ref} {state}; nothing to do"
+    diffs = series.file_diffs(include_tests=False)
+    current = {d.path: _read(root / d.path) for d in diffs}
+    try:
+        new_texts = apply_diffs(current, diffs, reverse=revert)
+    except PatchError as exc:
+        raise ApplyError(f"{where}: series {series.ref} does not apply: {exc}") from exc
+    verb = "reverts" if revert else "applies"
+    if check:
+        return f"{where}: series {series.ref} {verb} cleanly (--check: nothing written)"
+    # Every new text exists in memory; write each one atomically (rename over the original).
+    for rel, text in new_texts.items():
+        target = root / rel
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        if target.exists():
+            os.chmod(tmp, target.stat().st_mode & 0o777)
+        os.replace(tmp, target)
+    done = "reverted" if revert else "applied"
+    return f"{where}: series {series.ref} {done} ({', '.join(sorted(new_texts))})"
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text(encoding="utf-8") if path.exists() else None
+
+
+# ----------------------------------------------------------------------------------- git mode
+
+
+def _git(repo: Path, *args: str, env: dict | None = None, check: bool = True):
+    result = subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, env=env
+    )
+    if check and result.returncode != 0:
+        raise ApplyError(f"git {' '.join(args)}: {_first_line(result.stderr or result.stdout)}")
+    return result
+
+
+def _first_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[0] if lines else "(no output)"
+
+
+def _series_applies(repo: Path, ref: str, series: Series) -> str | None:
+    """None if the whole series applies to ``ref`` in order; else git's first error line.
+
+    Works on a scratch index file, so neither the checkout's index nor its files change.
+    """
+    with tempfile.TemporaryDirectory(prefix="vllm-seam-index-") as tmp:
+        env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp) / "index"))
+        _git(repo, "read-tree", ref, env=env)
+        for patch in series.patches:
+            result = _git(repo, "apply", "--cached", str(patch), env=env, check=False)
+            if result.returncode != 0:
+                return f"{patch.name}: {_first_line(result.stderr)}"
+    return None
+
+
+def _has_seam(repo: Path, rev: str) -> bool:
+    shown = _git(repo, "show", f"{rev}:{SCHEDULER_PATH}", check=False)
+    return shown.returncode == 0 and f"def {SEAM_METHOD}(" in shown.stdout
+
+
+def build_branch(repo: Path, ref: str, branch: str | None) -> str:
+    if _git(repo, "rev-parse", "--git-dir", check=False).returncode != 0:
+        raise ApplyError(f"{repo} is not a git checkout")
+    if _git(repo, "rev-parse", "--verify", "-q", f"{ref}^{{commit}}", check=False).returncode:
+        raise ApplyError(f"{repo}: no commit {ref!r}")
+    if _has_seam(repo, ref):
+        return f"{repo}: {ref} already defines {SEAM_METHOD}; nothing to do"
+
+    named = series_for_ref(ref)
+    candidates = [named] if named else all_series()[::-1]
+    errors = []
+    series = None
+    for candidate in candidates:
+        error = _series_applies(repo, ref, candidate)
+        if error is None:
+            series = candidate
+            break
+        errors.append(f"{candidate.ref}: {error}")
+    if series is None:
+        raise ApplyError(f"{repo}: no seam series applies to {ref} ({'; '.join(errors)})")
+
+    branch = branch or f"admission-seam-{series.ref}"
+    if (
+        _git(repo, "rev-parse", "--verify", "-q", f"refs/heads/{branch}", check=False).returncode
+        == 0
+    ):
+        if _has_seam(repo, branch):
+            return f"{repo}: branch {branch} already carries the seam; nothing to do"
+        raise ApplyError(f"{repo}: branch {branch} exists without the seam; pass --branch")
+    if _git(repo, "status", "--porcelain", "--untracked-files=no").stdout.strip():
+        raise ApplyError(f"{repo}: the checkout has uncommitted changes; commit or stash them")
+
+    original = _git(repo, "rev-parse", "--abbrev-ref", "HEAD").stdout.strip()
+    if original == "HEAD":
+        original = _git(repo, "rev-parse", "HEAD").stdout.strip()
+    env = dict(os.environ)
+    # git am keeps each patch's author; the committer is the local user, or our identity on a
+    # machine with none configured (CI), so a bare checkout still works.
+    if _git(repo, "config", "user.email", check=False).returncode != 0:
+        env.setdefault("GIT_COMMITTER_NAME", DEFAULT_IDENTITY[0])
+        env.setdefault("GIT_COMMITTER_EMAIL", DEFAULT_IDENTITY[1])
+    _git(repo, "checkout", "-q", "-b", branch, ref)
+    result = _git(
+        repo, "am", "-q", "--keep-non-patch", *map(str, series.patches), env=env, check=False
+    )
+    if result.returncode != 0:
+        # Checked above, so this is unexpected (e.g. a hook); leave no half-built branch behind.
+        _git(repo, "am", "--abort", check=False)
+        _git(repo, "checkout", "-q", original, check=False)
+        _git(repo, "branch", "-D", branch, check=False)
+        raise ApplyError(f"{repo}: git am failed, branch removed: {_first_line(result.stderr)}")
+    count = len(series.patches)
+    return f"{repo}: branch {branch} = {ref} + series {series.ref} ({count} patch(es))"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    modes = parser.add_subparsers(dest="mode", required=True)
+    git_mode = modes.add_parser("git", help="build the fork branch on a vLLM git checkout")
+    git_mode.add_argument("checkout", type=Path)
+    git_mode.add_argument("--ref", default="HEAD", help="commit to build on (default HEAD)")
+    git_mode.add_argument("--branch", help="branch name (default admission-seam-<series>)")
+    installed = modes.add_parser("installed", help="patch the vLLM this interpreter imports")
+    installed.add_argument("--check", action="store_true", help="dry run: write nothing")
+    installed.add_argument("--revert", action="store_true", help="remove the seam instead")
+    installed.add_argument(
+        "--root", type=Path, help="a directory holding vllm/ to patch instead (tests)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        if args.mode == "git":
+            message = build_branch(args.checkout.resolve(), args.ref, args.branch)
+        else:
+            message = apply_installed(args.root, check=args.check, revert=args.revert)
+    except (ApplyError, PatchError) as exc:
+        print(f"apply.py: error: {exc}", file=sys.stderr)
+        return 1
+    print(message)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,247 @@
+"""Differential test driver: two Scheduler classes, one workload, the same outputs step by step.
+
+The seam must not change behaviour, so the unpatched and the patched ``Scheduler`` of the same
+vLLM are run on the same workload and everything observable is compared after every step: the
+``SchedulerOutput`` (new/cached/resumed/preempted/finished requests, tokens per request, block
+ids), the request outputs fed back by ``update_from_output`` (tokens, finish reasons), and the
+scheduler's queues, per-request progress and free KV blocks. An exception on one side is an
+outcome too: it is compared like any other (a wrong seam that trips ``schedule()``'s own
+``assert len(self.running) <= max_num_running_reqs`` diverges, it does not crash the test).
+
+The two classes come from :mod:`seam_patch`: the installed module, and a copy of its source with
+the series applied (or reverted, when the installed vLLM is the seamed one) loaded under another
+module name. Used by tests/test_seam_neutrality.py and by reach.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from seam_patch import (
+    SCHEDULER_MODULE,
+    SEAM_METHOD,
+    installed_version,
+    load_scheduler_module,
+    match_series,
+    scheduler_text,
+)
+
+from vllm_balance import factories
+
+
+class Divergence(AssertionError):
+    """The two schedulers disagreed; the message names the first step and field that differ."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A scheduler configuration and what happens to it, independent of any scheduler class."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_gpu_blocks: int
+    enable_prefix_caching: bool
+    requests: tuple[factories.RequestSpec, ...]
+    arrival_steps: tuple[int, ...]  # engine step before which each request is added
+    aborts: tuple[tuple[int, int], ...] = ()  # (step, request index): abort before that step
+    max_steps: int = 200
+
+
+@dataclass(frozen=True)
+class Twins:
+    """The installed scheduler module and its counterpart with the seam applied or reverted."""
+
+    unpatched: type
+    patched: type
+    patched_source: str
+    series_ref: str
+    installed_is_patched: bool
+
+
+@functools.lru_cache(maxsize=1)
+def twins() -> Twins:
+    import importlib
+    import inspect
+
+    installed: ModuleType = importlib.import_module(SCHEDULER_MODULE)
+    source = inspect.getsource(installed)
+    match = match_series(source, installed_version() or None)
+    other = scheduler_text(source, match.series, reverse=match.already_seamed)
+    if match.already_seamed:
+        twin = load_scheduler_module(other, "vllm_balance_twin_unpatched_scheduler")
+        unpatched, patched, patched_source = twin.Scheduler, installed.Scheduler, source
+    else:
+        twin = load_scheduler_module(other, "vllm_balance_twin_patched_scheduler")
+        unpatched, patched, patched_source = installed.Scheduler, twin.Scheduler, other
+    # Never compare a thing with itself: exactly one side has the seam, and it is real code.
+    assert unpatched is not patched
+    assert not hasattr(unpatched, SEAM_METHOD) and hasattr(patched, SEAM_METHOD)
+    return Twins(unpatched, patched, patched_source, match.series.ref, match.already_seamed)
+
+
+def mutant(patched_source: str, name: str) -> type:
+    """A deliberately wrong seam (negative control), built from the patched source.
+
+    ``off_by_one_gt``: ``>`` where the default has ``>=`` (or ``==``): admits one request past
+    the slot limit. ``cap_minus_one``: the limit minus one, the variant that once shipped in
+    vllm-ascend and was reverted for a TTFT regression: admits one request too few.
+    """
+    head, rest = patched_source.split(f"def {SEAM_METHOD}(", 1)
+    body, tail = rest.split("\n    def ", 1)
+    lines = body.split("\n")
+    at = max(i for i, ln in enumerate(lines) if ln.strip().startswith("return "))
+    if name == "off_by_one_gt":
+        wrong, count = re.subn(r">=|==", ">", lines[at])
+    elif name == "cap_minus_one":
+        wrong, count = re.subn(r"(self\.max_num_\w+_reqs)", r"(\1 - 1)", lines[at])
+    else:
+        raise ValueError(name)
+    assert count == 1, f"mutant {name}: cannot find its target in {lines[at]!r}"
+    lines[at] = wrong
+    source = head + f"def {SEAM_METHOD}(" + "\n".join(lines) + "\n    def " + tail
+    return load_scheduler_module(source, f"vllm_balance_mutant_{name}_scheduler").Scheduler
+
+
+@functools.lru_cache(maxsize=64)
+def _vllm_config(max_num_seqs: int, max_num_batched_tokens: int, blocks: int, caching: bool):
+    # VllmConfig creation is the slow part; the scheduler does not mutate it, so share it.
+    return factories.make_vllm_config(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_gpu_blocks=blocks,
+        enable_prefix_caching=caching,
+    )
+
+
+def normalize(value: Any) -> Any:
+    """A plain, comparable form of a scheduler output (order kept where vLLM keeps it)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: normalize(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return [(normalize(k), normalize(v)) for k, v in value.items()]
+    if isinstance(value, (set, frozenset)):
+        return sorted((normalize(v) for v in value), key=repr)
+    if isinstance(value, (list, tuple)):
+        return [normalize(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    text = repr(value)
+    # An identity-based repr would make equal objects differ; fail loudly instead of flaking.
+    assert " at 0x" not in text, f"cannot compare {type(value).__name__} by value"
+    return text
+
+
+def _engine_outputs(outputs: dict) -> list:
+    # Timestamps differ between any two runs; the per-request results must not.
+    return [
+        (client, o.request_id, list(o.new_token_ids), str(o.finish_reason))
+        for client, batch in sorted(outputs.items())
+        for o in batch.outputs
+    ]
+
+
+def _state(scheduler) -> dict:
+    requests = scheduler.requests
+    return {
+        "running": [r.request_id for r in scheduler.running],
+        "waiting": sorted(r.request_id for r in scheduler.waiting),
+        "progress": sorted(
+            (rid, r.num_computed_tokens, r.num_output_tokens, str(r.status))
+            for rid, r in requests.items()
+        ),
+        "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+    }
+
+
+def _facts(scheduler, output, workload: Workload) -> set[str]:
+    """Which scheduler paths this step exercised (to show the workloads reach what the
+    neutrality claim covers; compared like everything else)."""
+    found = set()
+    if output.preempted_req_ids:
+        found.add("preemption")
+    if output.scheduled_cached_reqs.resumed_req_ids:
+        found.add("resumption")
+    if any(new.num_computed_tokens > 0 for new in output.scheduled_new_reqs):
+        found.add("prefix_cache_hit")
+    if any(scheduler.requests[rid].is_prefill_chunk for rid in output.num_scheduled_tokens):
+        found.add("chunked_prefill")
+    if len(scheduler.running) >= workload.max_num_seqs and scheduler.waiting:
+        found.add("max_num_seqs_hit")
+    return found
+
+
+def facts_of(records: Sequence[dict]) -> set[str]:
+    found = set()
+    for record in records:
+        found |= set(record.get("facts", ()))
+        if "raised" in record:
+            found.add("raised")
+    return found
+
+
+def trace(scheduler_cls: type, workload: Workload) -> list:
+    """Every observable of every step, ending with the exception if the scheduler raised."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler = factories.make_scheduler(
+        scheduler_cls,
+        vllm_config=_vllm_config(
+            workload.max_num_seqs,
+            workload.max_num_batched_tokens,
+            workload.num_gpu_blocks,
+            workload.enable_prefix_caching,
+        ),
+    )
+    records: list = []
+    last_arrival = max(workload.arrival_steps, default=0)
+    try:
+        for step_index in range(workload.max_steps):
+            for spec, arrival in zip(workload.requests, workload.arrival_steps):
+                if arrival == step_index:
+                    scheduler.add_request(factories.make_request(spec))
+            facts = set()
+            for abort_step, index in workload.aborts:
+                request_id = workload.requests[index].request_id
+                if abort_step == step_index and request_id in scheduler.requests:
+                    scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+                    facts.add("abort")
+            if step_index > last_arrival and not scheduler.has_unfinished_requests():
+                break
+            output = scheduler.schedule()
+            facts |= _facts(scheduler, output, workload)
+            runner_output = factories.model_runner_output(output, scheduler)
+            engine_outputs = scheduler.update_from_output(output, runner_output)
+            records.append(
+                {
+                    "step": step_index,
+                    "output": normalize(output),
+                    "engine": _engine_outputs(engine_outputs),
+                    "state": _state(scheduler),
+                    "facts": sorted(facts),
+                }
+            )
+    except Exception as exc:  # an outcome to compare, not a test error
+        records.append({"step": len(records), "raised": f"{type(exc).__name__}: {exc}"})
+    return records
+
+
+def compare(baseline_cls: type, candidate_cls: type, workload: Workload) -> int:
+    """Raise Divergence at the first differing step; return the number of steps compared."""
+    expected = trace(baseline_cls, workload)
+    actual = trace(candidate_cls, workload)
+    for want, got in zip(expected, actual):
+        if want != got:
+            keys = [k for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)]
+            detail = {k: (want.get(k), got.get(k)) for k in keys if k != "output"}
+            raise Divergence(f"step {want.get('step')}: {keys} differ: {detail!r:.600}")
+    if len(expected) != len(actual):
+        raise Divergence(f"trace lengths differ: {len(expected)} vs {len(actual)} steps")
+    return len(expected)

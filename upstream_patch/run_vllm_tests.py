@@ -1,0 +1,342 @@
+"""Run vLLM's own scheduler tests on the unpatched and the patched scheduler of the installed vLLM.
+
+    python upstream_patch/run_vllm_tests.py [--report FILE] [-- extra pytest args]
+
+This is what an upstream reviewer's CI runs first. Steps:
+
+1. The sdist of the installed vLLM version (it carries ``tests/``) is fetched from the package
+   registry through PEP 691's JSON form of the simple index (the interface pip itself uses; the
+   ``/pypi/<name>/<version>/json`` API is not reachable here), checked against the index's
+   sha256 and cached under ``~/.cache/vllm-balance/``. ``pip download`` cannot fetch it: it
+   builds metadata first, and vLLM's metadata build fails without CUDA.
+2. ``tests/v1/core/test_scheduler.py`` and the test modules it imports (followed transitively,
+   ``tests.*`` only) are extracted, plus the series' own test file (from the patch). vLLM's
+   ``tests/conftest.py`` is not: it imports model runners and hub clients. A small conftest
+   replaces it: hub model names become a tiny local config (``facebook/opt-125m`` -> a tiny
+   Llama; models that only the hub has, e.g. the multimodal llava, skip the test), every
+   ``VllmConfig`` gets ``DeviceConfig("cpu")``, and the hub is offline.
+3. pytest runs twice, in separate processes: once on the unpatched scheduler and once on the
+   patched one. One side is the installed module; the other is the installed source with the
+   series applied (or reverted, for an already-seamed vLLM), installed as
+   ``vllm.v1.core.sched.scheduler`` by the conftest before any test imports it. The conftest
+   reports which side it got, and the script checks it.
+
+Pass: the patched side passes every test the unpatched side passes (same skips), and the series'
+new tests pass on the patched side and fail on the unpatched one (they can tell the difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import urllib.request
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from seam_patch import (  # noqa: E402
+    SCHEDULER_PATH,
+    SEAM_METHOD,
+    PatchError,
+    installed_version,
+    installed_vllm_root,
+    match_series,
+    scheduler_text,
+)
+
+CACHE = Path(os.environ.get("VLLM_BALANCE_CACHE", Path.home() / ".cache" / "vllm-balance"))
+INDEX = os.environ.get("VLLM_BALANCE_INDEX", "https://pypi.org/simple")
+ENTRY_TEST = "tests/v1/core/test_scheduler.py"
+SEAM_TEST = "tests/v1/core/test_scheduler_admission_seam.py"
+
+CONFTEST = '''\
+"""Written by vllm-balance-scheduling's upstream_patch/run_vllm_tests.py; not vLLM's conftest.
+
+Offline, CPU-only stand-ins for what vLLM's own conftest and CI provide.
+"""
+import importlib.util
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+_SCHEDULER = "vllm.v1.core.sched.scheduler"
+_override = os.environ.get("VLLM_BALANCE_SCHEDULER_FILE")
+if _override:
+    # Must happen before any test module imports the scheduler (conftest is imported first).
+    assert _SCHEDULER not in sys.modules, "scheduler imported before the conftest"
+    import vllm.v1.core.sched as _package
+
+    _spec = importlib.util.spec_from_file_location(_SCHEDULER, _override)
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules[_SCHEDULER] = _module
+    _spec.loader.exec_module(_module)
+    _package.scheduler = _module
+
+from vllm.config import DeviceConfig, ModelConfig, VllmConfig  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+
+from vllm_balance.factories import tiny_model_dir  # noqa: E402
+
+with open(os.environ["VLLM_BALANCE_SIDE_FILE"], "w") as _out:
+    json.dump(
+        {"scheduler_file": sys.modules[_SCHEDULER].__file__,
+         "has_seam": hasattr(Scheduler, "SEAM_METHOD")},
+        _out,
+    )
+
+# Hub models the scheduler tests use for their config only; a tiny local config stands in.
+_LOCAL_MODELS = {"facebook/opt-125m"}
+
+
+def _model_config(*args, **kwargs):
+    model, args = (args[0], args[1:]) if args else (kwargs.pop("model"), args)
+    if model in _LOCAL_MODELS:
+        # The tiny config has no tokenizer; the scheduler never tokenizes.
+        model = tiny_model_dir(moe=False)
+        kwargs["skip_tokenizer_init"] = True
+    elif not os.path.isdir(str(model)):
+        pytest.skip(f"needs hub model {model} (offline run)")
+    return ModelConfig(model, *args, **kwargs)
+
+
+def _vllm_config(*args, **kwargs):
+    kwargs.setdefault("device_config", DeviceConfig(device="cpu"))
+    return VllmConfig(*args, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _offline_cpu_configs(request, monkeypatch):
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__name__", "")
+        if name == "tests" or name.startswith("tests."):
+            if getattr(module, "ModelConfig", None) is ModelConfig:
+                monkeypatch.setattr(module, "ModelConfig", _model_config)
+            if getattr(module, "VllmConfig", None) is VllmConfig:
+                monkeypatch.setattr(module, "VllmConfig", _vllm_config)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_test: vLLM CI marker")
+'''.replace('"SEAM_METHOD"', repr(SEAM_METHOD))
+
+
+class RunError(RuntimeError):
+    pass
+
+
+def fetch_sdist(version: str) -> Path:
+    """The cached sdist of vLLM ``version``, downloaded from the index on first use."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    target = CACHE / f"vllm-{version}.tar.gz"
+    if target.exists():
+        return target
+    request = urllib.request.Request(
+        f"{INDEX}/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        files = json.load(response)["files"]
+    entry = next((f for f in files if f["filename"] == target.name), None)
+    if entry is None:
+        raise RunError(f"the index has no {target.name}")
+    digest = hashlib.sha256()
+    partial = target.with_suffix(".partial")
+    with urllib.request.urlopen(entry["url"], timeout=300) as response, open(partial, "wb") as out:
+        while chunk := response.read(1 << 20):
+            digest.update(chunk)
+            out.write(chunk)
+    if digest.hexdigest() != entry["hashes"]["sha256"]:
+        partial.unlink()
+        raise RunError(f"{target.name}: sha256 mismatch with the index")
+    partial.rename(target)
+    return target
+
+
+def _imported_test_modules(path: str, source: str) -> set[str]:
+    """Repository paths of the ``tests.*`` modules (and relative imports) ``source`` imports."""
+    package = path.rsplit("/", 1)[0].replace("/", ".")
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                names = [".".join(base + ([node.module] if node.module else []))]
+                if not node.module:
+                    names = [f"{names[0]}.{a.name}" for a in node.names]
+            elif node.module:
+                names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            if name == "tests" or name.startswith("tests."):
+                found.add(name)
+    return found
+
+
+def extract_tests(sdist: Path, version: str, into: Path) -> list[str]:
+    """Extract the entry test and its test-module closure; returns the paths extracted."""
+    prefix = f"vllm-{version}/"
+    with tarfile.open(sdist) as tar:
+        members = {m.name.removeprefix(prefix): m for m in tar.getmembers()}
+
+        def read(rel: str) -> str | None:
+            member = members.get(rel)
+            handle = tar.extractfile(member) if member else None
+            return handle.read().decode("utf-8") if handle else None
+
+        wanted, todo = set(), [ENTRY_TEST]
+        while todo:
+            rel = todo.pop()
+            if rel in wanted:
+                continue
+            source = read(rel)
+            if source is None:
+                continue
+            wanted.add(rel)
+            for module in _imported_test_modules(rel.removesuffix(".py"), source):
+                as_path = module.replace(".", "/")
+                todo += [f"{as_path}.py", f"{as_path}/__init__.py"]
+        # Every package on the way needs its __init__.py for the tests.* imports to resolve.
+        for rel in list(wanted):
+            parts = rel.split("/")[:-1]
+            for depth in range(1, len(parts) + 1):
+                init = "/".join(parts[:depth]) + "/__init__.py"
+                if init in members:
+                    wanted.add(init)
+        for rel in sorted(wanted):
+            out = into / rel
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(read(rel) or "", encoding="utf-8")
+    return sorted(wanted)
+
+
+def run_side(tree: Path, name: str, scheduler_file: Path | None, pytest_args: list[str]) -> dict:
+    junit = tree / f"junit-{name}.xml"
+    side_file = tree / f"side-{name}.json"
+    env = dict(os.environ, VLLM_BALANCE_SIDE_FILE=str(side_file), PYTHONDONTWRITEBYTECODE="1")
+    env.pop("VLLM_BALANCE_SCHEDULER_FILE", None)
+    if scheduler_file is not None:
+        env["VLLM_BALANCE_SCHEDULER_FILE"] = str(scheduler_file)
+    command = [
+        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--rootdir", str(tree),
+        f"--junitxml={junit}", "-o", "junit_family=xunit2", ENTRY_TEST, SEAM_TEST, *pytest_args,
+    ]  # fmt: skip
+    log = tree / f"pytest-{name}.log"
+    with open(log, "w") as out:
+        subprocess.run(command, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if not junit.exists():
+        raise RunError(f"{name}: pytest produced no report; see {log}")
+    outcomes = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        test_id = f"{case.get('classname')}::{case.get('name')}"
+        kinds = {child.tag for child in case}
+        outcome = (
+            "failed"
+            if kinds & {"failure", "error"}
+            else "skipped"
+            if "skipped" in kinds
+            else "passed"
+        )
+        outcomes[test_id] = outcome
+    side = json.loads(side_file.read_text())
+    return {"outcomes": outcomes, "side": side, "log": str(log)}
+
+
+def summarize(outcomes: dict[str, str], seam_tests: bool) -> dict[str, int]:
+    counts = {"passed": 0, "skipped": 0, "failed": 0}
+    for test_id, outcome in outcomes.items():
+        if ("test_scheduler_admission_seam" in test_id) == seam_tests:
+            counts[outcome] += 1
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report", type=Path, help="write the result as JSON here")
+    parser.add_argument("--keep", action="store_true", help="keep the extracted tree and logs")
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    args = parser.parse_args(argv)
+
+    version = installed_version()
+    source = (installed_vllm_root() / SCHEDULER_PATH).read_text(encoding="utf-8")
+    try:
+        match = match_series(source, version)
+    except PatchError as exc:
+        print(f"run_vllm_tests.py: error: {exc}", file=sys.stderr)
+        return 1
+    sdist = fetch_sdist(version)
+    tree = Path(tempfile.mkdtemp(prefix=f"vllm-{version}-own-tests-"))
+    extracted = extract_tests(sdist, version, tree)
+    (tree / "conftest.py").write_text(CONFTEST, encoding="utf-8")
+    seam_test = next(d for d in match.series.file_diffs() if d.path == SEAM_TEST)
+    (tree / SEAM_TEST).write_text("".join(seam_test.hunks[0].side("+")), encoding="utf-8")
+
+    other = tree / "scheduler_other_side.py"
+    other.write_text(scheduler_text(source, match.series, reverse=match.already_seamed))
+    unpatched_file, patched_file = (other, None) if match.already_seamed else (None, other)
+    sides = {
+        "unpatched": run_side(tree, "unpatched", unpatched_file, args.pytest_args),
+        "patched": run_side(tree, "patched", patched_file, args.pytest_args),
+    }
+    problems = []
+    for name, result in sides.items():
+        if result["side"]["has_seam"] != (name == "patched"):
+            problems.append(f"{name} side ran the wrong scheduler: {result['side']}")
+    unpatched, patched = sides["unpatched"]["outcomes"], sides["patched"]["outcomes"]
+    own = [t for t in unpatched if "test_scheduler_admission_seam" not in t]
+    lost = [t for t in own if unpatched[t] == "passed" and patched.get(t) != "passed"]
+    skip_drift = [t for t in own if (unpatched[t] == "skipped") != (patched.get(t) == "skipped")]
+    seam_ids = [t for t in patched if "test_scheduler_admission_seam" in t]
+    seam_fail_patched = [t for t in seam_ids if patched[t] != "passed"]
+    seam_pass_unpatched = [t for t in seam_ids if unpatched.get(t) == "passed"]
+    if lost:
+        problems.append(f"patched side fails {len(lost)} test(s) upstream passes: {lost[:5]}")
+    if skip_drift:
+        problems.append(f"skips differ between sides: {skip_drift[:5]}")
+    if not seam_ids or seam_fail_patched:
+        problems.append(f"seam tests fail on the patched side: {seam_fail_patched}")
+    if seam_pass_unpatched:
+        problems.append(f"seam tests pass without the seam (cannot fail): {seam_pass_unpatched}")
+    report = {
+        "vllm": version,
+        "series": match.series.ref,
+        "installed_is_patched": match.already_seamed,
+        "extracted": extracted,
+        "test_scheduler": {n: summarize(s["outcomes"], False) for n, s in sides.items()},
+        "seam_tests": {n: summarize(s["outcomes"], True) for n, s in sides.items()},
+        "logs": {n: s["log"] for n, s in sides.items()},
+        "problems": problems,
+    }
+    for name in sides:
+        own_counts, seam_counts = report["test_scheduler"][name], report["seam_tests"][name]
+        print(
+            f"vLLM {version} {name:9s} test_scheduler.py: "
+            + ", ".join(f"{v} {k}" for k, v in own_counts.items())
+            + f" | seam tests: {seam_counts['passed']} passed, {seam_counts['failed']} failed"
+        )
+    if args.report:
+        args.report.write_text(json.dumps(report, indent=2))
+    for problem in problems:
+        print(f"run_vllm_tests.py: FAIL: {problem}", file=sys.stderr)
+    if not problems and not args.keep:
+        shutil.rmtree(tree, ignore_errors=True)  # on failure the tree and its logs stay
+    print("OK: the patched scheduler passes every test the unpatched one passes" if not problems
+          else f"FAILED ({len(problems)} problem(s)); logs: {report['logs']}")  # fmt: skip
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
