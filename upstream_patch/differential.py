@@ -161,13 +161,15 @@ def _state(scheduler) -> dict:
     }
 
 
-def _facts(scheduler, output, workload: Workload) -> set[str]:
+def _facts(scheduler, output, workload: Workload, preempted_before: set[str]) -> set[str]:
     """Which scheduler paths this step exercised (to show the workloads reach what the
     neutrality claim covers; compared like everything else)."""
     found = set()
     if output.preempted_req_ids:
         found.add("preemption")
-    if output.scheduled_cached_reqs.resumed_req_ids:
+    # A preempted request scheduled again: through resumed_req_ids up to 0.32, re-sent as a new
+    # request from 0.33. Either way it is the resumption path.
+    if preempted_before & set(output.num_scheduled_tokens):
         found.add("resumption")
     if any(new.num_computed_tokens > 0 for new in output.scheduled_new_reqs):
         found.add("prefix_cache_hit")
@@ -202,6 +204,7 @@ def trace(scheduler_cls: type, workload: Workload) -> list:
     )
     records: list = []
     last_arrival = max(workload.arrival_steps, default=0)
+    preempted: set[str] = set()
     try:
         for step_index in range(workload.max_steps):
             for spec, arrival in zip(workload.requests, workload.arrival_steps):
@@ -216,7 +219,8 @@ def trace(scheduler_cls: type, workload: Workload) -> list:
             if step_index > last_arrival and not scheduler.has_unfinished_requests():
                 break
             output = scheduler.schedule()
-            facts |= _facts(scheduler, output, workload)
+            facts |= _facts(scheduler, output, workload, preempted)
+            preempted |= set(output.preempted_req_ids or ())
             runner_output = factories.model_runner_output(output, scheduler)
             engine_outputs = scheduler.update_from_output(output, runner_output)
             records.append(
