@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, note, settings
+from hypothesis import HealthCheck, example, given, note, settings
 from hypothesis import strategies as st
 
 import vllm_balance
@@ -576,3 +576,20 @@ def compare(workload: Workload, mode: str) -> Run:
     if mode == "disabled" and hasattr(ours, "balance_queue"):
         _fail(workload, run.steps, "balance off, yet balance_queue appeared", None)
     return run
+
+
+def check_property(
+    mode: str, *, at_cap: bool, max_examples: int, examples: tuple[Workload, ...] = ()
+) -> Counter:
+    """Run ``compare(workload, mode)`` on generated workloads (plus ``examples``, tried first);
+    returns what the runs reached, so a test can assert its paths were exercised."""
+    reached: Counter = Counter()
+
+    def matches_reference(workload: Workload) -> None:
+        reached.update(compare(workload, mode).facts)
+
+    test = given(workload=workloads(at_cap=at_cap))(matches_reference)
+    for workload in reversed(examples):
+        test = example(workload=workload)(test)
+    property_settings(max_examples=max_examples)(test)()
+    return reached

@@ -7,19 +7,18 @@ property that never preempts proves nothing about preemption).
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 from balance_differential import (
     Divergence,
     Gathered,
     Req,
     Workload,
+    check_property,
     compare,
     property_settings,
     workloads,
 )
-from hypothesis import Phase, example, given, settings
+from hypothesis import Phase, given, settings
 
 import vllm_balance
 
@@ -54,27 +53,14 @@ CAP_MINUS_ONE_EVERYWHERE = Workload(
 
 
 def test_contract2_gate_open_outputs_and_queues_equal_upstream_on_generated_workloads():
-    reached: Counter = Counter()
-
-    @property_settings(max_examples=120)
-    @example(workload=CAP_MINUS_ONE_EVERYWHERE)
-    @given(workload=workloads(at_cap=False))
-    def gate_open_is_upstream(workload):
-        reached.update(compare(workload, "gate_open").facts)
-
-    gate_open_is_upstream()
+    reached = check_property(
+        "gate_open", at_cap=False, max_examples=120, examples=(CAP_MINUS_ONE_EVERYWHERE,)
+    )
     assert GATE_OPEN_REACHES <= set(reached), f"never reached: {GATE_OPEN_REACHES - set(reached)}"
 
 
 def test_contract4_disabled_equals_upstream_allocates_nothing_never_gathers():
-    reached: Counter = Counter()
-
-    @property_settings(max_examples=30)
-    @given(workload=workloads(at_cap=True))
-    def disabled_is_upstream(workload):
-        reached.update(compare(workload, "disabled").facts)
-
-    disabled_is_upstream()
+    reached = check_property("disabled", at_cap=True, max_examples=30)
     # The gathered shapes are scripted but never delivered: no step may have been frozen.
     assert "frozen_step" not in reached and "admitted" in reached
 

@@ -9,10 +9,7 @@ scripted, so this rank's slot is its own payload (contract 3: ``len(running)``, 
 
 from __future__ import annotations
 
-from collections import Counter
-
-from balance_differential import Gathered, Req, Workload, compare, property_settings, workloads
-from hypothesis import example, given
+from balance_differential import Gathered, Req, Workload, check_property
 
 # The oracle must have cut admission on real frozen steps, and admitted on open ones.
 ORACLE_REACHES = {"frozen_with_room_and_waiting", "admitted", "preemption", "skipped_waiting"}
@@ -62,33 +59,11 @@ NAMED = [
 ]
 
 
-def named(property_fn):
-    for workload in reversed(NAMED):
-        property_fn = example(workload=workload)(property_fn)
-    return property_fn
-
-
 def test_contract1_gate_freezes_exactly_when_the_leader_equals_the_cap():
-    reached: Counter = Counter()
-
-    @property_settings(max_examples=120)
-    @named
-    @given(workload=workloads(at_cap=True))
-    def gate_is_the_oracle(workload):
-        reached.update(compare(workload, "oracle_queue").facts)
-
-    gate_is_the_oracle()
+    reached = check_property("oracle_queue", at_cap=True, max_examples=120, examples=NAMED)
     assert ORACLE_REACHES <= set(reached), f"never reached: {ORACLE_REACHES - set(reached)}"
 
 
 def test_contract3_gate_fed_by_balance_gather_payload_len_running_once_per_step():
-    reached: Counter = Counter()
-
-    @property_settings(max_examples=80)
-    @named
-    @given(workload=workloads(at_cap=True))
-    def gathered_gate_is_the_oracle(workload):
-        reached.update(compare(workload, "oracle_gather").facts)
-
-    gathered_gate_is_the_oracle()
+    reached = check_property("oracle_gather", at_cap=True, max_examples=80, examples=NAMED)
     assert ORACLE_REACHES <= set(reached), f"never reached: {ORACLE_REACHES - set(reached)}"
