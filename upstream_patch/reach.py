@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tools"))
+from run_vllm_tests import junit_outcomes  # noqa: E402
 from seam_patch import (  # noqa: E402
     SCHEDULER_PATH,
     SEAM_METHOD,
@@ -102,16 +102,8 @@ def seam_condition(patched: str) -> str:
 
 def junit_counts(path: Path) -> dict[str, int]:
     counts = {"passed": 0, "failed": 0, "skipped": 0}
-    for case in ET.parse(path).getroot().iter("testcase"):
-        kinds = {child.tag for child in case}
-        key = (
-            "failed"
-            if kinds & {"failure", "error"}
-            else "skipped"
-            if "skipped" in kinds
-            else "passed"
-        )
-        counts[key] += 1
+    for outcome in junit_outcomes(path).values():
+        counts[outcome] += 1
     return counts
 
 

@@ -239,20 +239,23 @@ def run_side(tree: Path, name: str, scheduler_file: Path | None, pytest_args: li
         subprocess.run(command, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
     if not junit.exists():
         raise RunError(f"{name}: pytest produced no report; see {log}")
+    side = json.loads(side_file.read_text())
+    return {"outcomes": junit_outcomes(junit), "side": side, "log": str(log)}
+
+
+def junit_outcomes(junit: Path) -> dict[str, str]:
+    """``classname::name`` -> passed / skipped / failed (an error counts as failed)."""
     outcomes = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
-        test_id = f"{case.get('classname')}::{case.get('name')}"
         kinds = {child.tag for child in case}
-        outcome = (
+        outcomes[f"{case.get('classname')}::{case.get('name')}"] = (
             "failed"
             if kinds & {"failure", "error"}
             else "skipped"
             if "skipped" in kinds
             else "passed"
         )
-        outcomes[test_id] = outcome
-    side = json.loads(side_file.read_text())
-    return {"outcomes": outcomes, "side": side, "log": str(log)}
+    return outcomes
 
 
 def summarize(outcomes: dict[str, str], seam_tests: bool) -> dict[str, int]:
