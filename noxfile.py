@@ -5,7 +5,8 @@
     nox -s tests-main        # vLLM from pins/main-verified.txt, no seam -> compat path
     nox -s tests-release-seam  # same vLLM + upstream_patch/ applied     -> shim path
     nox -s tests-main-seam
-    nox -s lint              # pre-commit: ruff check, ruff format --check, mypy, docs links
+    nox -s lint              # pre-commit: ruff check, ruff format --check, mypy, docs links,
+                             # doc commands (tools/doc_commands.py --check)
     nox -s smoke / sim / bench / mutation / soak / vllm-own-tests / seam-reach
 
 Every test session builds its own virtualenv from pins/*.txt and requirements/*.txt; nothing is

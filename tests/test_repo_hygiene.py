@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +35,16 @@ def test_ci_runs_the_readme_test_command_verbatim():
     ci_lines = [ln for ln in (ROOT / ".ci/run").read_text().splitlines() if ln and ln[0] != "#"]
     command = ci_lines[-1]
     assert f"```bash\n{command}\n```" in readme
+
+
+def test_support_matrix_doc_is_current():
+    """tools/support_matrix.py promises that every test session checks docs/support-matrix.md."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "support_matrix.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout
 
 
 def test_shim_scheduler_stays_small():

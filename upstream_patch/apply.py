@@ -198,7 +198,8 @@ def build_branch(repo: Path, ref: str, branch: str | None) -> str:
     return f"{repo}: branch {branch} = {ref} + series {series.ref} ({count} patch(es))"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     modes = parser.add_subparsers(dest="mode", required=True)
     git_mode = modes.add_parser("git", help="build the fork branch on a vLLM git checkout")
@@ -211,7 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     installed.add_argument(
         "--root", type=Path, help="a directory holding vllm/ to patch instead (tests)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.mode == "git":
             message = build_branch(args.checkout.resolve(), args.ref, args.branch)

@@ -336,11 +336,16 @@ def make_series(version: str, wheel_dir: Path, out_root: Path = PATCH_ROOT) -> P
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("versions", nargs="+")
     parser.add_argument("--wheel-dir", type=Path, default=Path("/tmp/wheels"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     args.wheel_dir.mkdir(parents=True, exist_ok=True)
     for version in args.versions:
         try:

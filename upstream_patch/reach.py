@@ -222,7 +222,8 @@ def write_table(results: list[Reach], path: Path, own_tests: bool) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--versions", nargs="*", help="default: the index, from the release tag")
     parser.add_argument("--wheel-dir", type=Path, default=Path("/tmp/wheels"))
@@ -233,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the unpacked wheels")
     parser.add_argument("--table", type=Path, default=ROOT / "docs" / "seam-reach.md")
     parser.add_argument("--json", type=Path, help="also write the results as JSON")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     args.wheel_dir.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     first = read_pin("release-tag").version

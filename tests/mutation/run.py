@@ -116,12 +116,17 @@ def write_doc(path: str, section: str) -> None:
     DOC.write_text(f"{head}{start}\n{section}{end}{tail}", encoding="utf-8")
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mutant", action="append", choices=sorted(MUTANTS), default=None)
     parser.add_argument("--profile", choices=("ci", "soak"), default="ci")
     parser.add_argument("--write-doc", action="store_true")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
 
     import importlib.metadata
 
