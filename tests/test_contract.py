@@ -111,6 +111,23 @@ def test_contract1_gate_is_decided_once_per_step_from_balance_queue():
     assert scheduler.admission_frozen is False
 
 
+def test_contract1_gate_reads_what_balance_queue_holds_not_a_stale_buffer():
+    """balance_queue's tensors view one buffer (the gate's fast path): writes in place reach it;
+    an element replaced or appended by a test or tool must not be hidden behind it."""
+    scheduler = balance_scheduler(dp_size=4)
+    queue = scheduler.balance_queue
+    view = queue[1]
+    view.fill_(CAP)  # in place, as the gather writes
+    assert scheduler.leader_at_cap() is True
+    queue[1] = torch.tensor([CAP - 1], dtype=torch.int32)  # the buffer still holds CAP
+    assert scheduler.leader_at_cap() is False
+    queue[1] = view
+    view.fill_(0)
+    assert scheduler.leader_at_cap() is False
+    queue.append(torch.tensor([CAP], dtype=torch.int32))
+    assert scheduler.leader_at_cap() is True
+
+
 # Contract 2: gate open => the same SchedulerOutput as upstream, step by step.
 
 
