@@ -7,7 +7,7 @@
     nox -s tests-main-seam
     nox -s lint              # pre-commit: ruff check, ruff format --check, mypy, docs links,
                              # doc commands (tools/doc_commands.py --check)
-    nox -s smoke / sim / bench / mutation / soak / vllm-own-tests / seam-reach
+    nox -s smoke / sim / bench / bench-seam / mutation / soak / vllm-own-tests / seam-reach
 
 Every test session builds its own virtualenv from pins/*.txt and requirements/*.txt; nothing is
 installed by hand. Versions are read from the pin files at run time (tools/pins.py).
@@ -136,6 +136,13 @@ def sim(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks, reported as ratios measured in one run (see docs/results.md)."""
     install_pinned_vllm(session, os.environ.get("VLLM_BALANCE_PIN", "release-tag"))
+    session.run("python", "benchmarks/run.py", *session.posargs)
+
+
+@nox.session(name="bench-seam")
+def bench_seam(session: nox.Session) -> None:
+    """The same benchmarks on the shim path: the seam applied to the pinned vLLM (own venv)."""
+    install_pinned_vllm(session, os.environ.get("VLLM_BALANCE_PIN", "release-tag"), seam=True)
     session.run("python", "benchmarks/run.py", *session.posargs)
 
 

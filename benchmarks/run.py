@@ -13,6 +13,9 @@
 (b) ``gather``: per-step cost of ``balance_gather()`` on a real gloo group (DP 2 and 4 processes on
     loopback) vs one bare ``all_reduce`` and one bare ``all_gather`` of one int32 on the same group.
 (c) ``sim``: simulated lockstep steps per second, and how wall time grows with DP and requests.
+(d) ``instructions`` (not in the default set: ~15 min under valgrind): instructions executed by
+    the same ``schedule()`` steps as (a), counted by callgrind; exact where (a) is noisy. See
+    ``benchmarks/instructions.py``.
 
 Timings are never asserted anywhere; this prints ratios (and writes them as JSON with --json).
 """
@@ -28,8 +31,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 ROOT = Path(__file__).resolve().parent.parent
 DP_SIZES = (8, 64, 256)
@@ -302,17 +303,40 @@ def markdown(results: dict) -> str:
             f"{x['steps_per_s']} | {x['rank_steps_per_s']} |"
             for x in results["sim"]
         ]
+    if "instructions" in results:
+        import instructions
+
+        out += ["", instructions.markdown(results["instructions"])]
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+PARTS = ("schedule", "gather", "sim", "instructions")
+
+
+def _parts(text: str) -> set[str]:
+    parts = set(text.split(","))
+    unknown = sorted(parts - set(PARTS))
+    if unknown:  # a misspelt part would otherwise run nothing and print an empty report
+        raise argparse.ArgumentTypeError(f"unknown part(s) {unknown}; choose from {PARTS}")
+    return parts
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", default="schedule,gather,sim", help="comma-separated subset")
+    p.add_argument(
+        "--parts", type=_parts, default="schedule,gather,sim", help=f"comma-separated, of {PARTS}"
+    )
     p.add_argument("--reps", type=int, default=30, help="schedule() repetitions per variant")
     p.add_argument("--gather-iters", type=int, default=500)
+    p.add_argument("--instruction-reps", type=int, default=3, help="callgrind measurements")
     p.add_argument("--json", help="also write the results to this file")
-    args = p.parse_args(argv)
-    parts = set(args.parts.split(","))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM's first import
+    args = build_parser().parse_args(argv)
+    parts = args.parts
     results: dict = {}
     if "schedule" in parts:
         results["schedule"] = bench_schedule(args.reps)
@@ -320,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         results["gather"] = bench_gather(args.gather_iters)
     if "sim" in parts:
         results["sim"] = bench_sim()
+    if "instructions" in parts:
+        import instructions  # benchmarks/ is on sys.path: this script's own folder
+
+        results["instructions"] = instructions.measure(list(DP_SIZES), args.instruction_reps)
     import vllm
 
     results["vllm_version"] = vllm.__version__

@@ -218,6 +218,18 @@ REGISTRY: tuple[Route, ...] = (
         ARGPARSE,
     ),
     Route(
+        r"nox -s bench(-seam)? -- --parts instructions",
+        ON_DEMAND,
+        "that nox session (`bench`: compat path; `bench-seam`: shim path)",
+        NOX_NAMES,
+    ),
+    Route(
+        r"python benchmarks/instructions\.py",
+        ON_DEMAND,
+        "`nox -s bench -- --parts instructions` runs the same measurement",
+        ARGPARSE,
+    ),
+    Route(
         r"python tools/support_matrix\.py",
         CI,
         "`--check` in every test session (tests/test_repo_hygiene.py); without it by whoever "

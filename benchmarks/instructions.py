@@ -1,0 +1,221 @@
+"""Instructions executed by one ``schedule()``, balance on vs upstream, counted by callgrind.
+
+    python benchmarks/instructions.py                  # DP 8/64/256, 3 repetitions
+    python benchmarks/run.py --parts instructions      # the same, as a part of the benchmarks
+
+Why instructions: the issue's bound is ``<= 1.02x`` upstream's ``schedule()`` with the gate open,
+but wall-clock ratios of a 12 ms step scatter by +-10% on a shared machine (docs/results.md): a
+2% bound can be neither shown nor refuted that way. The instructions one ``schedule()`` executes
+are a deterministic function of the scheduler's state (``PYTHONHASHSEED`` fixed, one thread), so
+their ratio is exact to the last instruction and repeats run to run.
+
+How: a child process runs under ``valgrind --tool=callgrind`` with collection off, builds the
+same prepared schedulers as ``run.py`` (fresh ones per measurement: ``schedule()`` mutates them)
+and calls each measured ``schedule()`` through ``sys.call_tracing``. Its C function,
+``_PyEval_CallTracing``, is the callgrind toggle: collection is on only inside it, and a dump is
+written when it returns, so dump *k* holds exactly measured step *k*. The marker exists in every
+CPython and vLLM never calls it; a ctypes callback (libffi closure) would not do, because
+callgrind loses its call tracking there and stops counting early.
+
+Needs ``valgrind`` on PATH and a CPython with symbols (pyenv, python.org, Debian builds have
+them); a stripped interpreter shows up as all-zero dumps and is reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MARKER = "_PyEval_CallTracing"
+VARIANTS = ("upstream", "on-open", "on-frozen", "gate-only")
+WORKLOADS = ("admission", "decode")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--reps", type=int, default=3, help="measurements per variant (default 3)")
+    p.add_argument("--dp", default="8,64,256", help="comma-separated DP sizes")
+    p.add_argument("--json", help="also write the results to this file")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # labels file; set by the parent only
+    return p
+
+
+# -- child: runs under callgrind ----------------------------------------------------------------
+def _measured(label: str, fn, labels: list[str] | None) -> None:
+    """Run ``fn`` in a counted region (one callgrind dump); ``labels=None``: uncounted warm-up."""
+    import gc
+
+    if labels is None:
+        fn()
+        return
+    gc.collect()
+    gc.disable()  # a collection inside one variant's region only would skew that one count
+    try:
+        sys.call_tracing(fn, ())
+    finally:
+        gc.enable()
+    labels.append(label)
+
+
+def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
+    from run import _configs, _prepared_scheduler  # same prepared steps as the wall-clock part
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    import vllm_balance
+    from vllm_balance.factories import make_scheduler
+
+    labels: list[str] = []
+    # Round 0 is an uncounted warm-up: the first run of a code path pays one-time costs
+    # (lazy imports, CPython's specializing interpreter, caches) that would land on whichever
+    # variant happens to run first.
+    for rep in range(reps + 1):
+        sink = labels if rep else None
+        for dp in dp_sizes:
+            upstream_cfg, balance_cfg = _configs(dp)
+            for workload in WORKLOADS:
+                for variant in VARIANTS[:3]:
+                    cls, cfg = (
+                        (Scheduler, upstream_cfg)
+                        if variant == "upstream"
+                        else (
+                            vllm_balance.BalanceScheduler,
+                            balance_cfg,
+                        )
+                    )
+                    sched = _prepared_scheduler(cls, cfg, workload, variant == "on-frozen")
+                    _measured(f"{dp}/{workload}/{variant}", sched.schedule, sink)
+            gate = make_scheduler(vllm_balance.BalanceScheduler, balance_cfg)
+            _measured(f"{dp}/gate/gate-only", gate.leader_at_cap, sink)
+    payload = {"labels": labels, "active_path": vllm_balance.active_path()}
+    Path(labels_file).write_text(json.dumps(payload))
+
+
+# -- parent ------------------------------------------------------------------------------------
+def _dump_totals(out_file: Path, count: int) -> list[int]:
+    totals = []
+    for k in range(1, count + 1):
+        text = Path(f"{out_file}.{k}").read_text()
+        totals.append(next(int(ln.split()[1]) for ln in text.splitlines() if ln[:7] == "totals:"))
+    return totals
+
+
+def measure(dp_sizes: list[int], reps: int) -> dict:
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("instructions: valgrind not found on PATH (apt-get install valgrind)")
+    with tempfile.TemporaryDirectory(prefix="balance-callgrind-") as tmp:
+        out_file = Path(tmp) / "callgrind.out"
+        labels_file = Path(tmp) / "labels.json"
+        env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
+        # The child imports run.py's prepared steps from this folder.
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])
+        )
+        command = [
+            valgrind,
+            "--tool=callgrind",
+            "--collect-atstart=no",
+            f"--toggle-collect={MARKER}",
+            f"--dump-after={MARKER}",
+            f"--callgrind-out-file={out_file}",
+            sys.executable,
+            __file__,
+            "--child",
+            str(labels_file),
+            "--reps",
+            str(reps),
+            "--dp",
+            ",".join(map(str, dp_sizes)),
+        ]
+        print(
+            "  instructions: running under callgrind (minutes: vLLM's import is ~50x slower)",
+            file=sys.stderr,
+        )
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = done.stderr[-3000:]
+            raise SystemExit(f"instructions: child failed ({done.returncode}):\n{tail}")
+        payload = json.loads(labels_file.read_text())
+        totals = _dump_totals(out_file, len(payload["labels"]))
+    if not any(totals):
+        raise SystemExit(f"instructions: all dumps empty: {sys.executable} has no symbol {MARKER}")
+    counts: dict[str, list[int]] = {}
+    for label, total in zip(payload["labels"], totals):
+        counts.setdefault(label, []).append(total)
+    return {
+        "active_path": payload["active_path"],
+        "reps": reps,
+        "rows": _rows(dp_sizes, counts),
+        "counts": counts,
+    }
+
+
+def _rows(dp_sizes: list[int], counts: dict[str, list[int]]) -> list[dict]:
+    rows = []
+    for dp in dp_sizes:
+        gate = statistics.median(counts[f"{dp}/gate/gate-only"])
+        for workload in WORKLOADS:
+            upstream = counts[f"{dp}/{workload}/upstream"]
+            base = statistics.median(upstream)
+            on_open = counts[f"{dp}/{workload}/on-open"]
+            rows.append(
+                {
+                    "dp": dp,
+                    "workload": workload,
+                    "upstream_instructions": int(base),
+                    "on_open_ratio": round(statistics.median(on_open) / base, 5),
+                    "on_frozen_ratio": round(
+                        statistics.median(counts[f"{dp}/{workload}/on-frozen"]) / base, 5
+                    ),
+                    "gate_instructions": int(gate),
+                    # Rep-to-rep spread of the two counts the acceptance ratio divides.
+                    "spread": round(max(max(v) / min(v) - 1 for v in (upstream, on_open)), 5),
+                }
+            )
+    return rows
+
+
+def markdown(result: dict) -> str:
+    out = [
+        f"Instructions per `schedule()` on the {result['active_path']} path (callgrind, "
+        f"{result['reps']} measurements each, medians), ratio vs upstream `Scheduler`:",
+        "",
+        "| DP | step | upstream instructions | on, gate open | on, gate frozen "
+        "| gate decision alone | rep-to-rep spread |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    out += [
+        f"| {x['dp']} | {x['workload']} | {x['upstream_instructions']:,} | "
+        f"{x['on_open_ratio']:.4f}x | {x['on_frozen_ratio']:.4f}x | "
+        f"{x['gate_instructions']:,} | {x['spread']:.3%} |"
+        for x in result["rows"]
+    ]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM's first import
+    args = build_parser().parse_args(argv)
+    dp_sizes = [int(x) for x in args.dp.split(",")]
+    if args.child:
+        child(dp_sizes, args.reps, args.child)
+        return 0
+    result = measure(dp_sizes, args.reps)
+    import vllm
+
+    result["vllm_version"] = vllm.__version__
+    print(markdown(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
