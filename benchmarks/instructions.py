@@ -207,13 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(dp_sizes, args.reps, args.child)
         return 0
-    result = measure(dp_sizes, args.reps)
-    import vllm
+    from run import emit
 
-    result["vllm_version"] = vllm.__version__
-    print(markdown(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    result = measure(dp_sizes, args.reps)
+    emit(result, markdown(result), args.json)
     return 0
 
 

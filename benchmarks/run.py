@@ -348,14 +348,19 @@ def main(argv: list[str] | None = None) -> int:
         import instructions  # benchmarks/ is on sys.path: this script's own folder
 
         results["instructions"] = instructions.measure(list(DP_SIZES), args.instruction_reps)
+    results["command"] = "python benchmarks/run.py " + " ".join(argv or sys.argv[1:])
+    emit(results, markdown(results), args.json)
+    return 0
+
+
+def emit(results: dict, report: str, json_path: str | None) -> None:
+    """Print the report; with ``--json`` also write every number, with the vLLM version."""
     import vllm
 
     results["vllm_version"] = vllm.__version__
-    results["command"] = "python benchmarks/run.py " + " ".join(argv or sys.argv[1:])
-    print(markdown(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    return 0
+    print(report)
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
