@@ -38,10 +38,22 @@ VARIANTS = ("upstream", "on-open", "on-frozen", "gate-only")
 WORKLOADS = ("admission", "decode")
 
 
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=3, help="measurements per variant (default 3)")
-    p.add_argument("--dp", default="8,64,256", help="comma-separated DP sizes")
+    p.add_argument(
+        "--reps", type=lambda t: _positive_ints(t)[0], default=3, help="counted rounds (default 3)"
+    )
+    p.add_argument("--dp", type=_positive_ints, default="8,64,256", help="comma-separated DP sizes")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--child", help=argparse.SUPPRESS)  # labels file; set by the parent only
     return p
@@ -203,7 +215,7 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM's first import
     args = build_parser().parse_args(argv)
-    dp_sizes = [int(x) for x in args.dp.split(",")]
+    dp_sizes = args.dp
     if args.child:
         child(dp_sizes, args.reps, args.child)
         return 0
