@@ -82,7 +82,7 @@ class BalanceSchedulerMixin:
 
     def observe_gathered(self) -> None:
         """Account for a freshly gathered ``balance_queue`` (called by the gather and the sim)."""
-        counts = [int(t.item()) for t in self.balance_queue]
+        counts = self.gathered_vector().tolist()
         self.balance_stats.record_gather(counts)
         if self._max_frozen_steps is not None:
             at_cap = max(counts) == self.max_num_running_reqs
@@ -91,20 +91,22 @@ class BalanceSchedulerMixin:
             if self._release_next_step:
                 self._frozen_streak = 0
 
-    def leader_at_cap(self) -> bool:
-        """Contract 1: some rank was at the cap at the end of the previous step.
+    def gathered_vector(self) -> torch.Tensor:
+        """``balance_queue`` as one tensor.
 
-        Reads ``balance_queue``: through the buffer its tensors view while they are the ones the
-        constructor made (the gather writes into them in place), else by concatenating whatever
-        a test or tool put there. The buffer's max is one call at any DP; concatenating costs
-        ~1,300 instructions per rank, 1% of an admission-heavy step at DP=256.
+        The gather's buffer while ``balance_queue`` still holds the views the constructor made
+        (the gather writes into them in place), else the concatenation of whatever a test or tool
+        put there. The buffer costs nothing at any DP; concatenating costs ~1,300 instructions per
+        rank, 1% of an admission-heavy ``schedule()`` at DP=256.
         """
         queue, views = self.balance_queue, self._gathered_views
         if len(queue) == len(views) and all(map(operator.is_, queue, views)):
-            gathered = self._gathered
-        else:
-            gathered = torch.cat(queue)
-        return int(gathered.max()) == self.max_num_running_reqs
+            return self._gathered
+        return torch.cat(queue)
+
+    def leader_at_cap(self) -> bool:
+        """Contract 1: some rank was at the cap at the end of the previous step."""
+        return int(self.gathered_vector().max()) == self.max_num_running_reqs
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         if self._balance_enabled:
