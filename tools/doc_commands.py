@@ -218,7 +218,7 @@ REGISTRY: tuple[Route, ...] = (
         ARGPARSE,
     ),
     Route(
-        r"nox -s bench(-seam)? -- --parts instructions",
+        r"(VLLM_BALANCE_PIN=main-verified )?nox -s bench(-seam)? -- --parts instructions",
         ON_DEMAND,
         "that nox session (`bench`: compat path; `bench-seam`: shim path)",
         NOX_NAMES,
