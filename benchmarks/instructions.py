@@ -48,11 +48,16 @@ def _positive_ints(text: str) -> list[int]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    values = _positive_ints(text)
+    if len(values) != 1:  # "3,4" would otherwise pass as 3
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return values[0]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--reps", type=lambda t: _positive_ints(t)[0], default=3, help="counted rounds (default 3)"
-    )
+    p.add_argument("--reps", type=_positive_int, default=3, help="counted rounds (default 3)")
     p.add_argument("--dp", type=_positive_ints, default="8,64,256", help="comma-separated DP sizes")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--child", help=argparse.SUPPRESS)  # labels file; set by the parent only
