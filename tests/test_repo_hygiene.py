@@ -37,6 +37,17 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert f"```bash\n{command}\n```" in readme
 
 
+def test_mypy_hook_runs_as_one_process_over_both_packages():
+    """pre-commit splits a hook's file list across CPUs unless told not to; two mypy processes
+    sharing .mypy_cache crashed CI's lint with INTERNAL ERROR (1 run in 4 on 2 cores)."""
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
+    hooks = {hook["id"]: hook for repo in config["repos"] for hook in repo["hooks"]}
+    mypy = hooks["mypy"]
+    assert mypy.get("require_serial") is True and mypy.get("pass_filenames") is False
+    assert mypy["entry"].split()[-2:] == ["shim", "compat"]
+
+
 def test_support_matrix_doc_is_current():
     """tools/support_matrix.py promises that every test session checks docs/support-matrix.md."""
     result = subprocess.run(
