@@ -151,6 +151,11 @@ def gather_payload_len_waiting() -> None:
     _mixin().balance_gather = balance_gather
 
 
+def gate_reads_stale_buffer() -> None:
+    """The gate reads the gather's buffer even after ``balance_queue`` was replaced."""
+    _mixin().gathered_vector = lambda self: self._gathered
+
+
 def delta3_reverted_to_assert() -> None:
     from vllm_balance.compat import derive
 
@@ -196,6 +201,12 @@ MUTANTS = {
             "balance off still all-gathers when a DP group is injected",
             ("shim", "compat"),
             disabled_calls_all_gather,
+        ),
+        Mutant(
+            "gate_reads_stale_buffer",
+            "gate reads the gather's buffer, ignoring `balance_queue` elements a test replaced",
+            ("shim", "compat"),
+            gate_reads_stale_buffer,
         ),
         Mutant(
             "delta3_reverted_to_assert",
