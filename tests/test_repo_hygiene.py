@@ -38,9 +38,9 @@ def test_ci_runs_the_readme_test_command_verbatim():
 
 
 def test_mypy_hook_runs_as_one_process_over_both_packages():
-    """pre-commit splits a hook's file list across CPUs unless told not to; two mypy processes
-    sharing .mypy_cache crashed CI's lint with INTERNAL ERROR (1 run in 4 on 2 cores)."""
-    yaml = pytest.importorskip("yaml")
+    """Why: the comment above the hook in .pre-commit-config.yaml."""
+    import yaml  # PyYAML: in requirements/test-cpu.txt (a vLLM dependency)
+
     config = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
     hooks = {hook["id"]: hook for repo in config["repos"] for hook in repo["hooks"]}
     mypy = hooks["mypy"]
