@@ -662,7 +662,9 @@ def check_trace(result: TraceResult, balance: bool = True) -> TraceSummary:
        rank (so every rank's gate decision for the next step is the same);
     3. one gather per active step: on each rank, gathers == forwards (model or dummy);
     4. the gate decision each rank took is the contract's: frozen <=> max(gathered) == cap, no
-       admission while frozen, and admission while open when a WAITING request fits.
+       admission while frozen, and admission while open when a WAITING request fits;
+    5. one schedule record per engine step: on each rank, the schedule() calls that scheduled
+       tokens equal the model forwards (a record per nested call would count a step twice).
     """
     name = result.trace.name
     for request_id, state in result.requests.items():
@@ -692,6 +694,9 @@ def check_trace(result: TraceResult, balance: bool = True) -> TraceSummary:
         forwards[rank] = sum(1 for kind, _ in records if kind in ("exec", "dummy"))
         if balance:
             assert forwards[rank] == counts[rank], (name, rank, "gathers != forwards", forwards)
+        model_forwards = sum(1 for kind, _ in records if kind == "exec")
+        busy_schedules = sum(1 for kind, f in records if kind == "schedule" and f["tokens"])
+        assert busy_schedules == model_forwards, (name, rank, busy_schedules, model_forwards)
         last_gather = None
         for kind, fields in records:
             if kind == "gather":

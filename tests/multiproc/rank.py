@@ -58,10 +58,19 @@ def _instrument_scheduler_class(scheduler_cls: type) -> None:
     upstream_schedule = scheduler_cls.schedule
 
     def schedule(self, throttle_prefills: bool = False):
+        # Activation asks get_scheduler_cls() for vLLM's own class too, so the base class gets
+        # instrumented as well, and the shim's schedule() reaches it through super(): record the
+        # outermost call only, one record per engine step.
+        if getattr(self, "_harness_in_schedule", False):
+            return upstream_schedule(self, throttle_prefills)
         queue = getattr(self, "balance_queue", None)
         queue_values = None if queue is None else [int(t.item()) for t in queue]
         waiting, running = len(self.waiting), len(self.running)
-        output = upstream_schedule(self, throttle_prefills)
+        self._harness_in_schedule = True
+        try:
+            output = upstream_schedule(self, throttle_prefills)
+        finally:
+            self._harness_in_schedule = False
         records.append(
             "schedule",
             cls=type(self).__name__,
@@ -71,6 +80,7 @@ def _instrument_scheduler_class(scheduler_cls: type) -> None:
             running=running,
             cap=self.max_num_running_reqs,
             admitted=len(output.scheduled_new_reqs),
+            tokens=output.total_num_scheduled_tokens,
         )
         return output
 
