@@ -4,19 +4,23 @@ The whole feature is two operations:
 - ``balance_gather()``: every active engine step, all-gather ``len(self.running)`` across the
   DP group into ``balance_queue`` (triggered by the engine core, never from ``schedule()``;
   see ``vllm_balance.shim.engine_core``);
-- the gate: when the largest gathered count **equals** ``max_num_running_reqs``, no rank admits
+- the gate: when the largest gathered count **equals** the cap (``balance_cap``), no rank admits
   WAITING requests this step.
 
 NOTE(contract 1): the comparison is ``==`` against the configured cap: "a leader at the cap
-freezes everyone". It is not ``>= cap - 1`` (shipped once in vllm-ascend and reverted for a TTFT
-regression on DeepSeek-V3.1 W4A8) and not "let laggards catch up to the leader" (temporarily
-lowering the cap to ``max(balance_queue)``), which is a different policy.
+freezes everyone". The cap is the limit at which upstream's own WAITING loop stops admitting:
+``max_num_active_reqs`` where the installed vLLM has that separate admission limit (0.31+, set by
+``max_num_active_seqs``, default ``max_num_seqs``), else ``max_num_running_reqs``; a gate compared
+with ``max_num_running_reqs`` there would never trip once ``max_num_active_seqs < max_num_seqs``
+(docs/design.md, "The cap"). It is not ``>= cap - 1`` (shipped once in vllm-ascend and reverted
+for a TTFT regression on DeepSeek-V3.1 W4A8) and not "let laggards catch up to the leader"
+(temporarily lowering the cap to ``max(balance_queue)``), which is a different policy.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,11 +45,15 @@ class BalanceSchedulerMixin:
     ``schedule()`` (lesson A), so a count kept there would drift apart across ranks.
     """
 
-    # Declared for type checkers: the scheduler attributes the mixin relies on.
+    # Declared for type checkers: the scheduler attributes the mixin relies on. Each one exists on
+    # every release the support matrix lists (tests/test_upstream_surface.py checks them there);
+    # queue attributes that come and go between releases (``skipped_waiting`` is gone in 0.31)
+    # are never read here: the waiting count is upstream's own ``get_request_counts()``.
     running: list
-    waiting: Any
-    skipped_waiting: Any
     max_num_running_reqs: int
+    if TYPE_CHECKING:
+
+        def get_request_counts(self) -> tuple[int, int]: ...
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)  # type: ignore[call-arg]
@@ -67,6 +75,8 @@ class BalanceSchedulerMixin:
             self._gathered_views = tuple(self.balance_queue)
             self.balance_stats = BalanceStats()
             self._dp_rank = parallel_config.data_parallel_rank
+            # Feature detection, not a version: the admission limit the WAITING loop stops at.
+            self.balance_cap: int = getattr(self, "max_num_active_reqs", self.max_num_running_reqs)
             self._periodic_log = PeriodicLog(options.log_interval_s)
             self._max_frozen_steps = options.max_frozen_steps
             self._frozen_streak = 0
@@ -85,7 +95,7 @@ class BalanceSchedulerMixin:
         counts = self.gathered_vector().tolist()
         self.balance_stats.record_gather(counts)
         if self._max_frozen_steps is not None:
-            at_cap = max(counts) == self.max_num_running_reqs
+            at_cap = max(counts) == self.balance_cap
             self._frozen_streak = self._frozen_streak + 1 if at_cap else 0
             self._release_next_step = self._frozen_streak > self._max_frozen_steps
             if self._release_next_step:
@@ -106,14 +116,16 @@ class BalanceSchedulerMixin:
 
     def leader_at_cap(self) -> bool:
         """Contract 1: some rank was at the cap at the end of the previous step."""
-        return int(self.gathered_vector().max()) == self.max_num_running_reqs
+        return int(self.gathered_vector().max()) == self.balance_cap
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         if self._balance_enabled:
             frozen = self.leader_at_cap()
             released = frozen and self._release_next_step
             self.admission_frozen = frozen and not released
-            num_waiting = len(self.waiting) + len(self.skipped_waiting)
+            # Upstream's own count (its waiting queues differ between releases); read only when
+            # it is recorded.
+            num_waiting = self.get_request_counts()[1] if self.admission_frozen else 0
             self.balance_stats.record_step(
                 self.admission_frozen, released, num_waiting, self._dp_rank
             )

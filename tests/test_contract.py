@@ -128,6 +128,56 @@ def test_contract1_gate_reads_what_balance_queue_holds_not_a_stale_buffer():
     assert scheduler.leader_at_cap() is True
 
 
+def has_admission_limit() -> bool:
+    """vLLM 0.31+: ``max_num_active_seqs`` sets an admission limit below ``max_num_seqs``."""
+    import dataclasses
+
+    from vllm.config import SchedulerConfig
+
+    return "max_num_active_seqs" in {f.name for f in dataclasses.fields(SchedulerConfig)}
+
+
+needs_admission_limit = pytest.mark.skipif(
+    not has_admission_limit(), reason="this vLLM has no max_num_active_seqs (before 0.31)"
+)
+ADMISSION_LIMITS = pytest.mark.parametrize(
+    "limit", [CAP, CAP - 1], ids=["active-equals-max-num-seqs", "active-below-max-num-seqs"]
+)
+
+
+@needs_admission_limit
+@ADMISSION_LIMITS
+def test_contract1_cap_is_the_admission_limit_upstream_stops_at(limit):
+    # max_num_seqs stays CAP; the WAITING loop (and the seam's default) stops at `limit`.
+    scheduler = with_waiting(balance_scheduler(max_num_active_seqs=limit))
+    assert scheduler.balance_cap == scheduler.max_num_active_reqs == limit
+    set_gathered(scheduler, [0, limit])
+    assert admitted(scheduler.schedule()) == []
+
+
+@needs_admission_limit
+@ADMISSION_LIMITS
+def test_contract1_leader_below_the_admission_limit_admits_like_upstream(limit):
+    balance = with_waiting(balance_scheduler(max_num_active_seqs=limit))
+    set_gathered(balance, [0, limit - 1])
+    upstream = with_waiting(upstream_scheduler(max_num_active_seqs=limit))
+    expected = [f"req-{i}" for i in range(limit)]
+    assert admitted(balance.schedule()) == admitted(upstream.schedule()) == expected
+
+
+@needs_admission_limit
+def test_contract1_rank_full_at_an_admission_limit_below_max_num_seqs_freezes_the_others():
+    # End to end: the leader fills up to max_num_active_seqs (never to max_num_seqs); its
+    # len(running) is what the gather carries, and it must freeze the other rank.
+    limit = CAP - 1
+    leader, other = (with_waiting(balance_scheduler(max_num_active_seqs=limit)) for _ in range(2))
+    set_gathered(leader, [0, 0])
+    factories.step(leader)
+    assert len(leader.running) == limit
+    set_gathered(other, [len(leader.running), 0])
+    assert admitted(other.schedule()) == []
+
+
 # Contract 2: gate open => the same SchedulerOutput as upstream, step by step.
 
 

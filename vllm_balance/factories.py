@@ -67,8 +67,13 @@ def make_vllm_config(
     additional_config: dict | None = None,
     kv_transfer_config: Any = None,
     scheduler_cls: Any = None,
+    max_num_active_seqs: int | None = None,
 ):
-    """A real ``VllmConfig`` for a tiny local model on CPU."""
+    """A real ``VllmConfig`` for a tiny local model on CPU.
+
+    ``max_num_active_seqs`` (vLLM 0.31+: the WAITING loop's admission limit, below
+    ``max_num_seqs``) is passed only when set, so older releases never see the key.
+    """
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -96,6 +101,8 @@ def make_vllm_config(
     )
     if scheduler_cls is not None:
         scheduler_kwargs["scheduler_cls"] = scheduler_cls
+    if max_num_active_seqs is not None:
+        scheduler_kwargs["max_num_active_seqs"] = max_num_active_seqs
     scheduler_config = SchedulerConfig(**scheduler_kwargs)
     cache_config = CacheConfig(
         block_size=BLOCK_SIZE,

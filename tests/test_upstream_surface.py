@@ -1,0 +1,96 @@
+"""Every upstream name this package relies on exists, with the shape it is used in.
+
+``shim/`` (scheduler, engine core, stats), ``vllm_balance/activation.py`` and ``registry.py`` read
+these names from the installed vLLM (``compat/``'s anchors are checked by test_compat_derive.py).
+``nox -s reach`` runs this file on every release of the support matrix, so a release that drops
+one fails here by name instead of in a user's first ``schedule()``: 0.31 dropped
+``Scheduler.skipped_waiting``, which the shim's counters read (issue #22).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+import vllm.v1.engine.core as core_module
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import DPEngineCoreProc, EngineCore, EngineCoreProc
+
+from vllm_balance import factories
+
+
+def assigned_self_attributes(cls: type) -> set[str]:
+    """Names ``cls``'s own methods assign as ``self.<name> = ...`` (instance state it creates)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)  # also inside tuple targets: self.a, self.b = ...
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    }
+
+
+def parameters(function) -> list[str]:
+    return list(inspect.signature(function).parameters)
+
+
+# shim/scheduler.py
+
+
+def test_scheduler_state_the_mixin_reads():
+    scheduler = factories.make_scheduler(max_num_seqs=4)
+    factories.add_requests(scheduler, factories.make_requests(3))
+    assert isinstance(scheduler.running, list)
+    assert scheduler.max_num_running_reqs == 4
+    # The waiting count for deferred_admissions: upstream's own, whatever its queues are.
+    assert scheduler.get_request_counts() == (0, 3)
+    # The cap: the admission limit where the release has a separate one (0.31+).
+    assert getattr(scheduler, "max_num_active_reqs", scheduler.max_num_running_reqs) == 4
+
+
+def test_scheduler_classes_and_signatures_the_mixin_extends():
+    assert issubclass(AsyncScheduler, Scheduler)
+    assert parameters(Scheduler.schedule) == ["self", "throttle_prefills"]
+    assert parameters(Scheduler.__init__)[:2] == ["self", "vllm_config"]
+    assert SchedulerOutput.__module__ == "vllm.v1.core.sched.output"
+
+
+# shim/engine_core.py
+
+
+def test_dp_engine_core_hook_and_the_state_it_hands_over():
+    assert parameters(DPEngineCoreProc._has_global_unfinished_reqs) == ["self", "local_unfinished"]
+    # The gather reads self.dp_group (the gloo DP group) and self.scheduler.
+    assert "dp_group" in assigned_self_attributes(DPEngineCoreProc)
+    assert "scheduler" in assigned_self_attributes(EngineCore)
+    assert issubclass(DPEngineCoreProc, EngineCore)
+
+
+# vllm_balance/activation.py and registry.py
+
+
+def test_engine_core_launcher_the_activation_wraps():
+    launcher = EngineCoreProc.__dict__["run_engine_core"]
+    assert isinstance(launcher, staticmethod)
+    assert {"dp_rank", "local_dp_rank"} <= set(parameters(launcher.__func__))
+    # Swapped per process by name: a module global that run_engine_core resolves at call time
+    # (tests/test_activation.py checks the call-time resolution by behaviour).
+    assert core_module.DPEngineCoreProc is DPEngineCoreProc
+
+
+def test_config_fields_activation_and_options_read():
+    config = factories.make_vllm_config(data_parallel_size=2, additional_config={"k": 1})
+    assert config.parallel_config.data_parallel_size == 2
+    assert config.parallel_config.data_parallel_rank == 0
+    assert config.model_config.is_moe is True
+    assert config.kv_transfer_config is None
+    assert config.additional_config == {"k": 1}
+    assert config.scheduler_config.scheduler_cls is None or isinstance(
+        config.scheduler_config.scheduler_cls, (str, type)
+    )
+    assert config.scheduler_config.get_scheduler_cls() in (Scheduler, AsyncScheduler)
