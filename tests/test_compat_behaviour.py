@@ -137,6 +137,10 @@ def test_contract4_disabled_path_is_upstreams_schedule_not_the_generated_body():
     assert new_ids(compat.schedule()) == new_ids(upstream.schedule()) == ["req-0", "req-1"]
 
 
+@pytest.mark.skipif(
+    not hasattr(Scheduler, "_select_waiting_queue_for_scheduling"),
+    reason="no queue selection to assert on (0.31+): delta 3 does not apply",
+)
 def test_delta3_no_waiting_queue_breaks_where_upstream_asserts(monkeypatch):
     # Unreachable with real state: the WAITING loop runs only while a queue is non-empty and
     # nothing between its condition and the selection dequeues. A subclass (or plugin) that

@@ -38,9 +38,10 @@ from vllm_balance.compat.derive import (
     DELTA_NO_QUEUE,
     QUEUE_ASSERT,
     QUEUE_SELECTION,
-    WAITING_LOOP_TEST,
+    WAITING_LOOP,
     Phase2AUnavailable,
     UnverifiedSchedule,
+    is_slot_check,
     normalized_dump,
 )
 from vllm_balance.factories import add_requests, make_requests, make_scheduler
@@ -58,6 +59,17 @@ def compat_module():
 
 def upstream_schedule_ast() -> ast.FunctionDef:
     return derive.find_schedule(ast.parse(inspect.getsource(scheduler_module)), "installed")
+
+
+def upstream_asserts_a_queue() -> bool:
+    """Whether the installed schedule() has the assert delta 3 replaces (0.24-0.30 do)."""
+    return derive.derive_source(inspect.getsource(scheduler_module), "x").replaces_queue_assert
+
+
+needs_queue_assert = pytest.mark.skipif(
+    not upstream_asserts_a_queue(),
+    reason="this vLLM's WAITING loop has no queue assert: delta 3 does not apply",
+)
 
 
 def generated_source() -> str:
@@ -79,11 +91,10 @@ def delta_dump(block: tuple[str, ...]) -> str:
 def strip_deltas(
     fn: ast.FunctionDef, docstring: bool = False
 ) -> tuple[ast.FunctionDef, dict[str, int]]:
-    """Undo the three deltas on a copy; count each, and check where it sits."""
+    """Undo the deltas on a copy; count each, and check where it sits."""
     fn = copy.deepcopy(fn)
     disabled, gate, no_queue = map(delta_dump, (DELTA_DISABLED_PATH, DELTA_GATE, DELTA_NO_QUEUE))
     selection = normalized_dump(ast.parse(QUEUE_SELECTION).body[0])
-    loop_test = normalized_dump(ast.parse(WAITING_LOOP_TEST, mode="eval").body)
     counts = {"disabled path": 0, "gate": 0, "no queue": 0}
     for node in ast.walk(fn):
         stmts = getattr(node, "body", None)
@@ -96,7 +107,7 @@ def strip_deltas(
                 assert node is fn and i == int(docstring), "delta 1 must come first"
                 counts["disabled path"] += 1
             elif dump == gate:
-                assert isinstance(node, ast.While) and normalized_dump(node.test) == loop_test
+                assert isinstance(node, ast.While) and any(map(is_slot_check, node.body))
                 assert i == 0, "delta 2 must be the first statement of the WAITING loop"
                 counts["gate"] += 1
             elif dump == no_queue:
@@ -112,9 +123,9 @@ def strip_deltas(
 # --- drift (never skipped) -------------------------------------------------------------------
 
 
-def test_drift_generated_schedule_is_upstream_plus_exactly_three_deltas():
+def test_drift_generated_schedule_is_upstream_plus_exactly_its_deltas():
     stripped, counts = strip_deltas(generated_schedule_ast())
-    assert counts == {"disabled path": 1, "gate": 1, "no queue": 1}
+    assert counts == {"disabled path": 1, "gate": 1, "no queue": int(upstream_asserts_a_queue())}
     assert normalized_dump(stripped) == normalized_dump(upstream_schedule_ast())
 
 
@@ -124,7 +135,7 @@ def test_drift_comparison_catches_a_fourth_change():
     body_indent = generated_schedule_ast(source).body[0].col_offset
     mutated = source + " " * body_indent + "pass\n"
     stripped, counts = strip_deltas(generated_schedule_ast(mutated))
-    assert counts == {"disabled path": 1, "gate": 1, "no queue": 1}
+    assert counts == {"disabled path": 1, "gate": 1, "no queue": int(upstream_asserts_a_queue())}
     assert normalized_dump(stripped) != normalized_dump(upstream_schedule_ast())
 
 
@@ -154,7 +165,12 @@ def test_drift_pinned_ref_fingerprint_is_verified():
 def test_fingerprint_ignores_formatting_and_comments_but_not_code():
     source = inspect.getsource(scheduler_module)
     original = derive.fingerprint(upstream_schedule_ast())
-    selection_line = next(ln for ln in source.splitlines() if ln.strip() == QUEUE_SELECTION)
+    # Any one-line assignment of schedule() will do; the WAITING loop has one in every release.
+    loop = derive.waiting_loop(upstream_schedule_ast(), "installed")
+    assignment = next(
+        s for s in loop.body if isinstance(s, ast.Assign) and s.end_lineno == s.lineno
+    )
+    selection_line = source.splitlines()[assignment.lineno - 1]
     indent = selection_line[: len(selection_line) - len(selection_line.lstrip())]
     reformatted = source.replace(
         selection_line + "\n", f"{indent}# a comment\n\n{selection_line}  # another\n", 1
@@ -164,13 +180,48 @@ def test_fingerprint_ignores_formatting_and_comments_but_not_code():
     assert derive.fingerprint(derive.find_schedule(ast.parse(changed), "x")) != original
 
 
-def test_unverified_fingerprint_is_refused():
+def test_unverified_fingerprint_is_refused_in_one_line_naming_nearest_and_reach(
+    monkeypatch, tmp_path
+):
+    refs = [
+        {"release": r, "fingerprint": f"sha256:{i}", "date": "2026-11-30", "evidence": "run"}
+        for i, r in enumerate(["0.24.0", "0.27.1", "0.30.0"])
+    ]
+    verified = tmp_path / "fingerprints.json"
+    verified.write_text(json.dumps({"verified": refs}))
+    monkeypatch.setattr(derive, "FINGERPRINTS_FILE", verified)
+    # `nox -s reach` runs this suite with the override set (it is verifying the release).
+    monkeypatch.delenv(ALLOW_UNVERIFIED_ENV, raising=False)
     unknown = "sha256:" + "0" * 64
     with pytest.raises(UnverifiedSchedule) as excinfo:
-        derive.check_verified(unknown, "9.9.9")
+        derive.check_verified(unknown, "0.28.0")
     message = str(excinfo.value)
-    assert unknown in message and "9.9.9" in message and ALLOW_UNVERIFIED_ENV in message
-    assert "upstream_patch/" in message
+    assert unknown in message and "0.28.0" in message and ALLOW_UNVERIFIED_ENV in message
+    assert "upstream_patch/" in message and "\n" not in message
+    assert "nearest: 0.27.1, 0.30.0" in message
+    assert "`nox -s reach -- --versions 0.28.0`" in message
+
+
+@pytest.mark.parametrize(
+    ("installed", "nearest"),
+    [("0.28.0", "0.27.1, 0.30.0"), ("0.30.0+cpu", "0.30.0"), ("0.20.0", "0.24.0"), ("x", "all")],
+)
+def test_nearest_verified_releases(monkeypatch, tmp_path, installed, nearest):
+    refs = [
+        {"release": r, "fingerprint": r, "date": "2026-11-30", "evidence": "run"}
+        for r in ["0.30.0", "0.24.0", "0.27.1"]
+    ]
+    verified = tmp_path / "fingerprints.json"
+    verified.write_text(json.dumps({"verified": refs}))
+    monkeypatch.setattr(derive, "FINGERPRINTS_FILE", verified)
+    expected = "0.24.0, 0.27.1, 0.30.0" if nearest == "all" else nearest
+    assert derive.nearest_verified(installed) == expected
+
+
+def test_every_verified_entry_has_release_fingerprint_date_and_evidence():
+    for ref in derive.verified_refs():
+        assert ref.release and ref.fingerprint.startswith("sha256:") and ref.evidence
+        assert len(ref.date) == 10 and ref.date[4] == ref.date[7] == "-"
 
 
 @pytest.mark.parametrize("value", ["0", "true", ""])
@@ -186,6 +237,7 @@ def test_override_allows_unverified_schedule_with_a_warning(monkeypatch, caplog,
     empty.write_text(json.dumps({"verified": []}))
     monkeypatch.setattr(derive, "FINGERPRINTS_FILE", empty)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(ALLOW_UNVERIFIED_ENV, raising=False)
     with pytest.raises(UnverifiedSchedule):
         derive.build_phase2a_schedule()
     # ...and the operator's override lets it through, naming the fingerprint.
@@ -200,6 +252,9 @@ def test_override_allows_unverified_schedule_with_a_warning(monkeypatch, caplog,
 # --- anchors fail closed -----------------------------------------------------------------------
 
 PAIR = f"{QUEUE_SELECTION}\n{QUEUE_ASSERT}\n"
+# Our own text in the shape of the anchors: a loop that stops on a request-slot limit.
+LOOP_HEADER = "while self.queue and budget > 0:"
+SLOT_CHECK = "if len(self.running) >= self.max_num_admitted_reqs:\n    break\n"
 
 
 def synthetic(
@@ -208,11 +263,10 @@ def synthetic(
     header: str = "schedule(self, throttle_prefills=False)",
     loops: int = 1,
     after_loop: str = "",
+    slot_check: str = SLOT_CHECK,
 ) -> str:
     """A tiny module shaped like vLLM's anchors (our own text, built from derive's constants)."""
-    loop = f"while {WAITING_LOOP_TEST}:\n" + textwrap.indent(
-        "if stop:\n    break\n" + loop_body, "    "
-    )
+    loop = f"{LOOP_HEADER}\n" + textwrap.indent("x = 2\n" + slot_check + loop_body, "    ")
     body = "x = 1\n" + loop * loops + after_loop
     return f"class Scheduler:\n    def {header}:\n" + textwrap.indent(body, " " * 8)
 
@@ -229,21 +283,38 @@ def test_synthetic_source_with_all_anchors_derives(docstring):
     assert normalized_dump(stripped) == normalized_dump(derived.upstream)
 
 
-ONE_LINE_LOOP = (
-    "class Scheduler:\n    def schedule(self, throttle_prefills=False):\n"
-    f"        while {WAITING_LOOP_TEST}: stop = 1; {QUEUE_SELECTION}; {QUEUE_ASSERT}\n"
+def test_loop_without_queue_selection_and_assert_gets_two_deltas():
+    # 0.31+'s shape: the loop picks its queue and breaks on an empty one itself.
+    derived = derive.derive_source(synthetic("q = self.queue\n"), "9.9.9")
+    assert not derived.replaces_queue_assert and "delta 3 not applicable" in derived.source
+    stripped, counts = strip_deltas(generated_schedule_ast(derived.source))
+    assert counts == {"disabled path": 1, "gate": 1, "no queue": 0}
+    assert normalized_dump(stripped) == normalized_dump(derived.upstream)
+
+
+@pytest.mark.parametrize(
+    "slot_check",
+    [
+        "if len(self.running) == self.max_num_running_reqs:\n    break\n",
+        "n = len(self.running) + 1\nif n >= self.max_num_active_reqs:\n    break\n",
+    ],
+    ids=["0.24-shape", "0.31-shape"],
 )
+def test_waiting_loop_is_found_by_its_slot_check_whatever_its_header(slot_check):
+    derived = derive.derive_source(synthetic(slot_check=slot_check), "9.9.9")
+    assert DELTA_GATE[0] in derived.source
 
 
 @pytest.mark.parametrize(
     ("source", "anchor", "problem"),
     [
-        (synthetic().replace(WAITING_LOOP_TEST, "self.waiting"), "while", "is missing"),
-        (synthetic(loops=2), "while", "matches 2 times"),
+        (synthetic(slot_check="if stop:\n    break\n"), WAITING_LOOP, "is missing"),
+        (synthetic(slot_check="if self.max_num_x_reqs:\n    y = 1\n"), WAITING_LOOP, "missing"),
+        (synthetic(loops=2), WAITING_LOOP, "matches 2 times"),
         (synthetic(QUEUE_SELECTION + "\n"), QUEUE_ASSERT, "is missing"),
+        (synthetic(QUEUE_ASSERT + "\n"), QUEUE_ASSERT, "is missing"),
         (synthetic(PAIR * 2), QUEUE_ASSERT, "matches 2 times"),
         (synthetic("pass\n", after_loop=PAIR), QUEUE_ASSERT, "not directly in the WAITING loop"),
-        (ONE_LINE_LOOP, "the WAITING loop's first statement", "shares a line"),
         (
             synthetic().replace(QUEUE_ASSERT, QUEUE_ASSERT + "; z = 1"),
             QUEUE_ASSERT,
@@ -254,11 +325,12 @@ ONE_LINE_LOOP = (
     ],
     ids=[
         "loop-missing",
+        "loop-stop-without-break",
         "loop-twice",
         "assert-missing",
+        "selection-missing",
         "assert-twice",
         "assert-outside-loop",
-        "loop-body-on-header-line",
         "assert-not-alone",
         "signature",
         "method-missing",
@@ -270,7 +342,7 @@ def test_anchor_missing_or_ambiguous_raises_one_clear_error(source, anchor, prob
     message = str(excinfo.value)
     assert anchor in message and problem in message
     assert "vLLM 9.9.9" in message and "upstream_patch/" in message
-    assert all(label in message for label in derive.verified_fingerprints().values())
+    assert derive.nearest_verified("9.9.9") in message and "nox -s reach" in message
 
 
 def _real_source_with_extra_lines_after_assert(*extra: str) -> str:
@@ -281,12 +353,14 @@ def _real_source_with_extra_lines_after_assert(*extra: str) -> str:
     return source.replace(assert_line + "\n", assert_line + "\n" + added, 1)
 
 
+@needs_queue_assert
 def test_real_source_with_changed_assert_raises():
     source = inspect.getsource(scheduler_module).replace(QUEUE_ASSERT, QUEUE_ASSERT + ", 'x'", 1)
     with pytest.raises(Phase2AUnavailable, match="is missing"):
         derive.derive_source(source, vllm.__version__)
 
 
+@needs_queue_assert
 def test_real_source_with_duplicated_anchor_raises():
     source = _real_source_with_extra_lines_after_assert(QUEUE_SELECTION, QUEUE_ASSERT)
     with pytest.raises(Phase2AUnavailable, match="matches 2 times") as excinfo:
@@ -300,8 +374,8 @@ def test_real_source_with_duplicated_anchor_raises():
 def test_generated_schedule_has_source_and_names_each_delta():
     Phase2ASchedule = compat_module().Phase2ASchedule
     source = inspect.getsource(Phase2ASchedule.schedule)
-    for delta in (DELTA_DISABLED_PATH, DELTA_GATE, DELTA_NO_QUEUE):
-        assert source.count(delta[0]) == 1
+    assert source.count(DELTA_DISABLED_PATH[0]) == source.count(DELTA_GATE[0]) == 1
+    assert source.count(DELTA_NO_QUEUE[0]) == int(upstream_asserts_a_queue())
     # CompatBalanceScheduler.schedule is the mixin's, which reaches the generated one via super().
     CompatBalanceScheduler = compat_module().CompatBalanceScheduler
     mro = CompatBalanceScheduler.__mro__
@@ -325,16 +399,18 @@ def test_traceback_from_generated_schedule_shows_generated_file(monkeypatch):
     )
     add_requests(scheduler, make_requests(1))
 
-    def boom():
+    def boom(*args, **kwargs):
         raise LookupError("raised inside the generated schedule()")
 
-    monkeypatch.setattr(scheduler, "_select_waiting_queue_for_scheduling", boom)
+    # Admitting a WAITING request asks the KV cache manager for its cached prefix (every release).
+    monkeypatch.setattr(scheduler.kv_cache_manager, "get_computed_blocks", boom)
     with pytest.raises(LookupError) as excinfo:
         scheduler.schedule()
     filename = compat.Phase2ASchedule.schedule.__code__.co_filename
     frames = [f for f in traceback.extract_tb(excinfo.value.__traceback__) if f.name == "schedule"]
     generated = [f for f in frames if f.filename == filename]
-    assert len(generated) == 1 and generated[0].line == QUEUE_SELECTION
+    assert len(generated) == 1 and generated[0].line
+    assert generated[0].line == linecache.getline(filename, generated[0].lineno).strip()
     assert Path(filename).is_file() and "phase2a_schedule" in Path(filename).name
 
 
