@@ -7,9 +7,9 @@ steps in lockstep: add the requests that arrive, abort the requests due, make th
 ready, ``schedule()``, fabricate the forward, ``update_from_output()`` and, where the mode says
 so, ``balance_gather()`` (the engine core's position: after the step, before the next
 ``schedule()``). After every step the full ``describe(SchedulerOutput)``, the request outputs and
-the queues (running order, waiting order, skipped_waiting order, finished ids, per-request
-progress, free KV blocks) must be equal; the first difference raises :class:`Divergence` naming the
-step and the field path (``factories.first_difference``).
+the queues (running order, the order of every waiting queue the release has, finished ids,
+per-request progress, free KV blocks) must be equal; the first difference raises
+:class:`Divergence` naming the step and the field path (``factories.first_difference``).
 
 Modes (what ``balance_queue`` holds and what the reference is):
 
@@ -28,8 +28,9 @@ What is not generated, and why: remote-KV waits (``WAITING_FOR_REMOTE_KVS`` need
 whose worker side reports finished transfers; none runs on CPU without writing one), LoRA
 (``max_loras`` parking needs LoRA adapters), streaming-input sessions, spec decode, and async
 scheduling (``test_compat_behaviour`` covers ``AsyncScheduler`` for the gate). Structured-output
-waits are generated: the request really parks in ``skipped_waiting`` in
-``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` until its grammar ``Future`` completes, which is vLLM's
+waits are generated: the request really parks (in ``skipped_waiting`` up to 0.30, marked in
+``deferred_waiting`` from 0.31) in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` until its grammar
+``Future`` completes, which is vLLM's
 own mechanism; the grammar itself is :class:`AcceptAllGrammar` (a real grammar backend needs a
 tokenizer, and the scheduler only asks the grammar whether tokens are accepted).
 """
@@ -313,6 +314,26 @@ def set_gathered(scheduler, counts: list[int]) -> None:
     scheduler.balance_queue = [torch.tensor([c], dtype=torch.int32) for c in counts]
 
 
+# Upstream's waiting queues differ between releases (0.31 dropped ``skipped_waiting`` and added
+# ``kv_holding_waiting``); every one the installed release has is compared.
+WAITING_QUEUES = ("waiting", "skipped_waiting", "kv_holding_waiting")
+
+
+def admission_limit(scheduler) -> str:
+    """The attribute upstream's WAITING loop stops at: ``max_num_active_reqs`` where it exists."""
+    return (
+        "max_num_active_reqs"
+        if hasattr(scheduler, "max_num_active_reqs")
+        else "max_num_running_reqs"
+    )
+
+
+def has_deferred_waiting(scheduler) -> bool:
+    """A waiting request was skipped (structured-output grammar not ready, ...)."""
+    deferred = getattr(scheduler, "deferred_waiting", None)  # 0.31+
+    return bool(deferred if deferred is not None else scheduler.skipped_waiting)
+
+
 # --------------------------------------------------------------------------------- the oracle
 
 
@@ -322,9 +343,10 @@ class GateOracle:
     The contract puts the gate at the top of the WAITING loop: on a frozen step the loop body
     never runs, everything else of ``schedule()`` runs as upstream's. The oracle gets exactly
     that from upstream's own stop check: for the duration of a frozen ``schedule()`` it sets
-    ``max_num_running_reqs`` to ``len(running)`` at entry, and restores it afterwards.
+    the admission limit (``max_num_running_reqs``; ``max_num_active_reqs`` from 0.31) to
+    ``len(running)`` at entry, and restores it afterwards.
 
-    Why this is faithful: in ``schedule()`` (0.24.0 and 0.25.x) ``max_num_running_reqs`` is read
+    Why this is faithful: in ``schedule()`` (0.24.0 ... 0.30.0) ``max_num_running_reqs`` is read
     only by the WAITING loop's stop check (``len(running) == cap``; 0.25's ``num_running >= cap``
     adds requests waiting for streaming input, which only makes it stop sooner) and by the final
     ``assert len(running) <= cap``. Between entry and the WAITING loop ``running`` only shrinks,
@@ -342,12 +364,14 @@ class GateOracle:
         scheduler = self.scheduler
         if not frozen:
             return scheduler.schedule()
-        cap = scheduler.max_num_running_reqs
-        scheduler.max_num_running_reqs = len(scheduler.running)
+        # 0.31+ reads max_num_active_reqs only in that stop check (the assert reads the other).
+        limit = admission_limit(scheduler)
+        cap = getattr(scheduler, limit)
+        setattr(scheduler, limit, len(scheduler.running))
         try:
             output = scheduler.schedule()
         finally:
-            scheduler.max_num_running_reqs = cap
+            setattr(scheduler, limit, cap)
         # The construction's own check: a frozen step admits nothing from the waiting queues.
         assert not output.scheduled_new_reqs, "oracle admitted a new request on a frozen step"
         return output
@@ -418,8 +442,12 @@ def observe(scheduler, output, engine_outputs) -> dict:
         "engine_outputs": _engine_outputs(engine_outputs),
         "queues": {
             "running": [r.request_id for r in scheduler.running],
-            "waiting": [r.request_id for r in scheduler.waiting],
-            "skipped_waiting": [r.request_id for r in scheduler.skipped_waiting],
+            **{
+                name: [r.request_id for r in getattr(scheduler, name)]
+                for name in WAITING_QUEUES
+                if hasattr(scheduler, name)
+            },
+            "deferred": sorted(r.request_id for r in getattr(scheduler, "deferred_waiting", ())),
             "finished": sorted(scheduler.finished_req_ids),
             "progress": sorted(
                 (rid, r.num_computed_tokens, r.num_output_tokens, r.status.name)
@@ -443,14 +471,15 @@ def facts(scheduler, output, frozen: bool) -> set[str]:
     scheduled = (scheduler.requests.get(rid) for rid in output.num_scheduled_tokens)
     if any(r is not None and r.is_prefill_chunk for r in scheduled):
         found.add("chunked_prefill")
-    if scheduler.skipped_waiting:
+    if has_deferred_waiting(scheduler):
         found.add("skipped_waiting")
-    waiting = bool(scheduler.waiting or scheduler.skipped_waiting)
-    if len(scheduler.running) == scheduler.max_num_running_reqs and waiting:
+    waiting = scheduler.get_request_counts()[1] > 0
+    cap = getattr(scheduler, admission_limit(scheduler))
+    if len(scheduler.running) == cap and waiting:
         found.add("cap_reached_with_waiting")
     if frozen:
         found.add("frozen_step")
-        if waiting and len(scheduler.running) < scheduler.max_num_running_reqs:
+        if waiting and len(scheduler.running) < cap:
             found.add("frozen_with_room_and_waiting")
     elif output.scheduled_new_reqs:
         found.add("admitted")
