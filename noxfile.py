@@ -7,7 +7,7 @@
     nox -s tests-main-seam
     nox -s lint              # pre-commit: ruff check, ruff format --check, mypy, docs links,
                              # doc commands (tools/doc_commands.py --check)
-    nox -s smoke / sim / bench / bench-seam / mutation / soak / vllm-own-tests / seam-reach
+    nox -s smoke / sim / bench / bench-seam / mutation / soak / vllm-own-tests / reach
 
 Every test session builds its own virtualenv from pins/*.txt and requirements/*.txt; nothing is
 installed by hand. Versions are read from the pin files at run time (tools/pins.py).
@@ -194,9 +194,14 @@ def vllm_own_tests(session: nox.Session) -> None:
         )
 
 
-@nox.session(name="seam-reach")
-def seam_reach(session: nox.Session) -> None:
-    """Apply the seam to every vLLM release from the release tag to the newest; record a table."""
+@nox.session
+def reach(session: nox.Session) -> None:
+    """Both paths on every vLLM release from the release tag up (or `-- --versions X`): the
+    differential suite, the contract tests and vLLM's own tests; regenerates the support matrix.
+
+    Each release's wheel shadows the pinned vLLM on PYTHONPATH (upstream_patch/reach.py), so one
+    venv serves every release. On demand only: CI runs the pins.
+    """
     install_pinned_vllm(session, "release-tag")
     # Newer releases import a few more packages on the scheduler's import path.
     session.install("-r", "upstream_patch/reach-requirements.txt")

