@@ -44,7 +44,7 @@ LEGEND = """
   `CI` when a test session runs it on every change (the pins).
 - **differential**: tests/test_differential.py and tests/test_gate_oracle.py (gate open vs
   upstream, gate vs its oracle); **contract**: tests/test_contract.py, test_operability.py,
-  test_activation.py, test_upstream_surface.py, multiproc/test_entrypoint.py (and on compat
+  test_activation.py (but its import-order test), test_upstream_surface.py (and on compat
   test_compat_behaviour.py, test_compat_derive.py); **vLLM's own tests**: that release's
   tests/v1/core/test_scheduler.py with `vllm_balance.BalanceScheduler` swapped in, against
   upstream's run (`lost`: tests upstream passes and ours does not).

@@ -386,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         sides, problems = balance_sides(tree, args.pytest_args)
     else:
         sides, problems = seam_sides(tree, source, match, args.pytest_args)
+    reference, candidate = sides
+    lost, _ = lost_tests(sides[reference]["outcomes"], sides[candidate]["outcomes"])
     report = {
         "vllm": version,
         "series": match.series.ref,
@@ -394,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         "test_scheduler": {n: summarize(s["outcomes"], False) for n, s in sides.items()},
         "seam_tests": {n: summarize(s["outcomes"], True) for n, s in sides.items()},
         "logs": {n: s["log"] for n, s in sides.items()},
+        "lost": lost,  # vLLM's own tests the reference side passes and the other does not
         "problems": problems,
     }
     for name in sides:
@@ -409,7 +412,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run_vllm_tests.py: FAIL: {problem}", file=sys.stderr)
     if not problems and not args.keep:
         shutil.rmtree(tree, ignore_errors=True)  # on failure the tree and its logs stay
-    reference, candidate = sides
     if problems:
         print(f"FAILED ({len(problems)} problem(s)); logs: {report['logs']}")
     else:

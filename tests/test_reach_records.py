@@ -1,0 +1,81 @@
+"""What `nox -s reach` records: a compat fingerprint only for a run that passed; the matrix says
+"verified" only for such a run (issue 14, issue 22: a cell is a claim backed by a run)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "upstream_patch"))
+import reach  # noqa: E402
+import support_matrix  # noqa: E402
+
+COUNTS = {"passed": 3, "failed": 0, "skipped": 0}
+OWN = {"upstream": COUNTS, "balance": COUNTS, "lost": 0, "problems": []}
+
+
+def path_run(ok: bool, fingerprint: str = "sha256:new") -> dict:
+    return {
+        "date": "2026-11-30",
+        "ok": ok,
+        "differential": COUNTS,
+        "contract": COUNTS,
+        "own_tests": OWN,
+        "seconds": 1,
+        "fingerprint": fingerprint,
+        "notes": [] if ok else ["FAILED tests/test_contract.py::x"],
+    }
+
+
+@pytest.fixture
+def records(tmp_path, monkeypatch):
+    fingerprints = tmp_path / "fingerprints.json"
+    pinned = {"release": "0.24.0", "fingerprint": "sha256:pin", "date": "d", "evidence": "CI"}
+    stale = {"release": "0.28.0", "fingerprint": "sha256:old", "date": "d", "evidence": "reach"}
+    fingerprints.write_text(json.dumps({"about": "", "verified": [pinned, stale]}))
+    monkeypatch.setattr(reach, "FINGERPRINTS_FILE", fingerprints)
+    return fingerprints
+
+
+def recorded(fingerprints: Path) -> dict[str, str]:
+    return {e["release"]: e["fingerprint"] for e in json.loads(fingerprints.read_text())["verified"]}
+
+
+def test_a_passing_compat_run_records_release_fingerprint_date_and_evidence(records):
+    reach.record_fingerprints({"0.30.0": {"compat": path_run(ok=True)}})
+    entry = json.loads(records.read_text())["verified"][-1]
+    assert entry == {
+        "release": "0.30.0",
+        "fingerprint": "sha256:new",
+        "date": "2026-11-30",
+        "evidence": reach.evidence_summary(path_run(ok=True)),
+    }
+    assert "0 lost" in entry["evidence"]
+    assert list(recorded(records)) == ["0.24.0", "0.28.0", "0.30.0"]  # sorted by release
+
+
+def test_a_failed_compat_run_removes_the_release_and_a_shim_run_records_nothing(records):
+    reach.record_fingerprints({"0.28.0": {"compat": path_run(ok=False)}})
+    reach.record_fingerprints({"0.31.0": {"shim": path_run(ok=True)}})
+    assert recorded(records) == {"0.24.0": "sha256:pin"}
+
+
+def test_matrix_says_verified_only_for_a_run_that_passed(monkeypatch, tmp_path, records):
+    monkeypatch.setattr(support_matrix, "FINGERPRINTS", records)
+    evidence = tmp_path / "evidence.json"
+    evidence.write_text(
+        json.dumps({"0.31.0": {"shim": path_run(ok=True), "compat": path_run(ok=False)}})
+    )
+    monkeypatch.setattr(support_matrix, "EVIDENCE", evidence)
+    rows = {
+        line.split(" | ")[1]: line
+        for line in support_matrix.render("today").splitlines()
+        if line.startswith("| 0.31.0 |")
+    }
+    assert "| verified |" in rows["shim"]
+    assert "FAILED: FAILED tests/test_contract.py::x" in rows["compat"]
+    assert "refused (unverified)" in rows["compat"]  # the fingerprints do not list 0.31.0
