@@ -47,7 +47,9 @@ LEGEND = """
   test_activation.py (but its import-order test), test_upstream_surface.py (and on compat
   test_compat_behaviour.py, test_compat_derive.py); **vLLM's own tests**: that release's
   tests/v1/core/test_scheduler.py with `vllm_balance.BalanceScheduler` swapped in, against
-  upstream's run (`lost`: tests upstream passes and ours does not).
+  upstream's run (`lost`: tests upstream passes and ours does not). The swap is real: a balance
+  scheduler whose gate is always frozen lost 3 of 4 selected tests on seamed 0.31.0
+  (`run_vllm_tests.py --balance -- -k "test_preempt or ..."`, 2026-11-30).
 
 "refused (unverified)": the compat path refuses a `schedule()` whose fingerprint is not
 verified, naming the nearest verified releases and `nox -s reach -- --versions <release>` (override:

@@ -26,8 +26,9 @@ new tests pass on the patched side and fail on the unpatched one (they can tell 
 
 ``--balance`` compares this package instead of the seam: the "upstream" side runs the installed
 scheduler as it is; on the "balance" side every ``Scheduler`` / ``AsyncScheduler`` the tests
-build (through ``create_scheduler`` or directly) is ``vllm_balance.BalanceScheduler`` /
-``BalanceAsyncScheduler`` with balance on and the gate open (one DP rank, gathered count 0), i.e.
+build (through ``create_scheduler`` or directly; ``__new__`` returns ours, the names stay
+upstream's) is ``vllm_balance.BalanceScheduler`` / ``BalanceAsyncScheduler`` with balance on
+and the gate open (one DP rank, gathered count 0), i.e.
 the shim on a seamed vLLM and the compat class on an unpatched one. Pass: the balance side passes
 every test upstream passes, with the same skips (contract 2 on vLLM's own tests).
 """
@@ -108,16 +109,24 @@ if os.environ.get("VLLM_BALANCE_SIDE") == "balance":
     # it); one DP rank whose gathered count is 0 keeps the gate open.
     _shim_scheduler.balance_enabled = lambda vllm_config: True
     _BALANCE_CLASSES = {
-        "Scheduler": (Scheduler, vllm_balance.BalanceScheduler),
-        "AsyncScheduler": (AsyncScheduler, vllm_balance.BalanceAsyncScheduler),
+        Scheduler: vllm_balance.BalanceScheduler,
+        AsyncScheduler: vllm_balance.BalanceAsyncScheduler,
     }
+
+    def _balance_new(cls, *args, **kwargs):
+        # Scheduler(...) and AsyncScheduler(...) build ours (a subclass, so Python then runs its
+        # __init__), wherever the tests call them; the names stay upstream's classes, so the
+        # tests that check vLLM's own class selection (get_scheduler_cls() is Scheduler) hold.
+        return object.__new__(_BALANCE_CLASSES.get(cls, cls))
+
+    Scheduler.__new__ = _balance_new
 
 with open(os.environ["VLLM_BALANCE_SIDE_FILE"], "w") as _out:
     json.dump(
         {"scheduler_file": sys.modules[_SCHEDULER].__file__,
          "has_seam": hasattr(Scheduler, "SEAM_METHOD"),
          "balance_classes": sorted(
-             f"{cls.__module__}.{cls.__qualname__}" for _, cls in _BALANCE_CLASSES.values()
+             f"{cls.__module__}.{cls.__qualname__}" for cls in _BALANCE_CLASSES.values()
          )},
         _out,
     )
@@ -151,9 +160,6 @@ def _offline_cpu_configs(request, monkeypatch):
                 monkeypatch.setattr(module, "ModelConfig", _model_config)
             if getattr(module, "VllmConfig", None) is VllmConfig:
                 monkeypatch.setattr(module, "VllmConfig", _vllm_config)
-            for name, (upstream_cls, balance_cls) in _BALANCE_CLASSES.items():
-                if getattr(module, name, None) is upstream_cls:
-                    monkeypatch.setattr(module, name, balance_cls)
 
 
 def pytest_configure(config):
