@@ -84,6 +84,12 @@ def test_engine_core_launcher_the_activation_wraps():
 
 
 def test_config_fields_activation_and_options_read():
+    import dataclasses
+
+    from vllm.config import KVTransferConfig
+
+    # PD-disaggregated configs are refused by their kv_role.
+    assert "kv_role" in {f.name for f in dataclasses.fields(KVTransferConfig)}
     config = factories.make_vllm_config(data_parallel_size=2, additional_config={"k": 1})
     assert config.parallel_config.data_parallel_size == 2
     assert config.parallel_config.data_parallel_rank == 0
