@@ -42,7 +42,8 @@ def records(tmp_path, monkeypatch):
 
 
 def recorded(fingerprints: Path) -> dict[str, str]:
-    return {e["release"]: e["fingerprint"] for e in json.loads(fingerprints.read_text())["verified"]}
+    entries = json.loads(fingerprints.read_text())["verified"]
+    return {e["release"]: e["fingerprint"] for e in entries}
 
 
 def test_a_passing_compat_run_records_release_fingerprint_date_and_evidence(records):
