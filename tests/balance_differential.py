@@ -463,7 +463,13 @@ def facts(scheduler, output, frozen: bool) -> set[str]:
     found = set()
     if output.preempted_req_ids:
         found.add("preemption")
-    if output.scheduled_cached_reqs.resumed_req_ids:
+    # A preempted request scheduled again: a cached resumption, or (0.33 with the v2 model
+    # runner, its default here) sent again as a new request.
+    resumed_as_new = any(
+        getattr(scheduler.requests.get(new.req_id), "num_preemptions", 0)
+        for new in output.scheduled_new_reqs
+    )
+    if output.scheduled_cached_reqs.resumed_req_ids or resumed_as_new:
         found.add("resumption")
     if any(new.num_computed_tokens > 0 for new in output.scheduled_new_reqs):
         found.add("prefix_cache_hit")
