@@ -295,6 +295,8 @@ def check_path(path: str, tree: Path, own_tests: bool, fingerprint: str) -> Path
         and result.contract["passed"] > 0
         and (not own_tests or (result.own_tests.get("lost") == 0 and not result.notes))
     )
+    if result.ok:  # on failure the junit report and logs stay for reading
+        shutil.rmtree(work, ignore_errors=True)
     return result
 
 
