@@ -186,7 +186,8 @@ def fetch_sdist(version: str) -> Path:
     if entry is None:
         raise RunError(f"the index has no {target.name}")
     digest = hashlib.sha256()
-    partial = target.with_suffix(".partial")
+    # Per process: two reach runs of one release may download it at the same time.
+    partial = target.with_suffix(f".{os.getpid()}.partial")
     with urllib.request.urlopen(entry["url"], timeout=300) as response, open(partial, "wb") as out:
         while chunk := response.read(1 << 20):
             digest.update(chunk)
@@ -194,7 +195,7 @@ def fetch_sdist(version: str) -> Path:
     if digest.hexdigest() != entry["hashes"]["sha256"]:
         partial.unlink()
         raise RunError(f"{target.name}: sha256 mismatch with the index")
-    partial.rename(target)
+    os.replace(partial, target)
     return target
 
 
