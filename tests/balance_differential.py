@@ -22,7 +22,9 @@ Modes (what ``balance_queue`` holds and what the reference is):
   ``all_gather`` per step, on the injected group); the oracle computes the same vector from the
   reference's own ``len(running)``.
 - ``disabled``: contract 4. Balance off, a DP group injected and ``balance_gather()`` called every
-  step anyway: outputs equal upstream's, no ``all_gather`` ever, no ``balance_queue``.
+  step anyway, and ``balance_queue`` set each step to a scripted vector that may hold the cap (as a
+  tool could set the public state): outputs equal upstream's, no ``all_gather`` ever, the
+  constructor allocates no ``balance_queue`` and nothing replaces the one the harness set.
 
 What is not generated, and why: remote-KV waits (``WAITING_FOR_REMOTE_KVS`` needs a KV connector
 whose worker side reports finished transfers; none runs on CPU without writing one), LoRA
@@ -458,8 +460,11 @@ def observe(scheduler, output, engine_outputs) -> dict:
     }
 
 
-def facts(scheduler, output, frozen: bool) -> set[str]:
-    """Which scheduler paths a step reached (to prove the generated workloads reach them)."""
+def facts(scheduler, output, frozen: bool, vector_at_cap: bool) -> set[str]:
+    """Which scheduler paths a step reached (to prove the generated workloads reach them).
+
+    ``frozen`` is the reference's decision; ``vector_at_cap``: ``balance_queue`` held the cap.
+    """
     found = set()
     if output.preempted_req_ids:
         found.add("preemption")
@@ -489,6 +494,8 @@ def facts(scheduler, output, frozen: bool) -> set[str]:
             found.add("frozen_with_room_and_waiting")
     elif output.scheduled_new_reqs:
         found.add("admitted")
+        if vector_at_cap:  # balance off: a gate reading balance_queue would have frozen here
+            found.add("admitted_with_cap_in_balance_queue")
     return found
 
 
@@ -564,10 +571,12 @@ def compare(workload: Workload, mode: str) -> Run:
             if step_index > last_event and idle:
                 break
 
-            if mode in ("gate_open", "oracle_queue"):
+            if mode in ("gate_open", "oracle_queue", "disabled"):
                 vector = workload.vector_shape(step_index).counts(workload.dp_size)
                 set_gathered(ours, vector)
-            frozen = mode != "disabled" and max(vector) == workload.cap
+                delivered = ours.balance_queue
+            vector_at_cap = max(vector) == workload.cap
+            frozen = enabled and vector_at_cap
             if mode == "gate_open":
                 assert not frozen, "gate_open workloads keep every rank below the cap"
 
@@ -588,17 +597,19 @@ def compare(workload: Workload, mode: str) -> Run:
                 difference = factories.first_difference(observed[part], expected[part], part)
                 if difference:
                     _fail(workload, step_index, difference, vector)
-            run.facts.update(facts(reference, ref_output, frozen))
+            run.facts.update(facts(reference, ref_output, frozen, vector_at_cap))
 
             if gathers:
                 calls_before = len(stand_in.calls)
                 stand_in.others = workload.vector_shape(step_index).counts(workload.dp_size - 1)
                 ours.balance_gather()
                 calls = stand_in.calls[calls_before:]
-                if mode == "disabled":
-                    if calls:
-                        _fail(workload, step_index, f"balance off, yet all_gather {calls}", None)
-                    continue
+            if mode == "disabled":
+                if calls:
+                    _fail(workload, step_index, f"balance off, yet all_gather {calls}", None)
+                if getattr(ours, "balance_queue", None) is not delivered:
+                    _fail(workload, step_index, "balance off, yet balance_queue was replaced", None)
+            elif gathers:
                 # Contract 3: one all_gather per engine step, payload len(running), our group.
                 want = [(len(reference.running), group)]
                 if calls != want:
@@ -608,8 +619,6 @@ def compare(workload: Workload, mode: str) -> Run:
                 vector = list(stand_in.others)
                 vector.insert(stand_in.rank, len(reference.running))
             run.steps += 1
-    if mode == "disabled" and hasattr(ours, "balance_queue"):
-        _fail(workload, run.steps, "balance off, yet balance_queue appeared", None)
     return run
 
 
