@@ -94,8 +94,17 @@ async def drive(dp_size: int) -> dict:
 
 def main() -> None:
     import faulthandler
+    import os
     import signal
 
+    mutant = os.environ.get("VLLM_BALANCE_MUTANT", "none")
+    if mutant != "none":
+        # tests/mutation/run.py (which puts tests/mutation/ on PYTHONPATH) applied a deliberately
+        # wrong variant in the pytest process; this is another interpreter, and vLLM forks the
+        # engine processes from it, so apply it here as well.
+        import mutants
+
+        mutants.apply(mutant)
     # Inherited by the engine processes vLLM forks: SIGUSR1 dumps any of them (hang diagnosis).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     dp_size = int(sys.argv[1]) if len(sys.argv) > 1 else 2

@@ -165,6 +165,8 @@ class StandInWorker:
             "scheduler_cls": type(scheduler).__name__ if scheduler else None,
             "balance_queue": None if queue is None else [int(t.item()) for t in queue],
             "scheduler_has_dp_group": getattr(scheduler, "dp_group", None) is not None,
+            # Counted by balance_gather() itself, after its all_gather (None: no balance stats).
+            "balance_gathers": getattr(getattr(scheduler, "balance_stats", None), "gathers", None),
         }
 
     def shutdown(self) -> None:
