@@ -214,23 +214,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_as_ranks(*calls, timeout: float = 60.0) -> list:
+    """Run one call per DP rank concurrently (a collective blocks until every rank joins).
+
+    Returns their results in rank order. A call that raised re-raises here, and one still
+    running after ``timeout`` (a rank stuck in a collective) fails the test: a thread's
+    exception or hang would otherwise only be a warning.
+    """
+    results: list = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = calls[rank]()
+        except BaseException as exc:  # handed to the test thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    stuck = [rank for rank, t in enumerate(threads) if t.is_alive()]
+    assert not stuck, f"ranks {stuck} still running after {timeout} s (stuck in a collective?)"
+    if errors:
+        raise errors[0]
+    return results
+
+
 def gloo_groups(world_size: int):
     """A real gloo group per rank, created concurrently (each rank blocks until all join)."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-    port, groups = free_port(), [None] * world_size
+    port = free_port()
 
-    def join(rank: int) -> None:
-        groups[rank] = stateless_init_torch_distributed_process_group(
+    def join(rank: int):
+        return lambda: stateless_init_torch_distributed_process_group(
             "127.0.0.1", port, rank, world_size, backend="gloo"
         )
 
-    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    return groups
+    return run_as_ranks(*(join(rank) for rank in range(world_size)))
 
 
 class AllGatherSpy:
@@ -256,11 +279,7 @@ def test_contract3_one_all_gather_of_len_running_on_the_injected_group(monkeypat
     groups = gloo_groups(2)
     for scheduler, group in zip(ranks, groups):
         scheduler.dp_group = group
-    threads = [threading.Thread(target=s.balance_gather) for s in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    run_as_ranks(*(s.balance_gather for s in ranks))
     assert sorted(spy.calls, key=lambda c: c[0]) == [(1, groups[1]), (3, groups[0])]
     for scheduler in ranks:
         assert [int(t.item()) for t in scheduler.balance_queue] == [3, 1]

@@ -4,11 +4,18 @@ NPU-relevant guarantee that balance stays on the host (CPU tensors, gloo, no dev
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 import torch
-from test_contract import CAP, admitted, balance_scheduler, gloo_groups, set_gathered, with_waiting
+from test_contract import (
+    CAP,
+    admitted,
+    balance_scheduler,
+    gloo_groups,
+    run_as_ranks,
+    set_gathered,
+    with_waiting,
+)
 from vllm.v1.request import RequestStatus
 
 import vllm_balance
@@ -17,9 +24,7 @@ from vllm_balance.config import balance_options
 
 
 def options_of(additional_config):
-    import types
-
-    return balance_options(types.SimpleNamespace(additional_config=additional_config))
+    return balance_options(factories.make_vllm_config(additional_config=additional_config))
 
 
 # Tuning keys
@@ -165,6 +170,11 @@ def test_unset_bound_is_exactly_the_contract():
 
 
 def test_balance_tensors_are_cpu_on_gloo_and_no_device_sync(monkeypatch):
+    """What a CPU-only torch can catch: a device sync (trapped below) and an explicit non-CPU
+    tensor (it raises here), both inside the ranks' gathers, which must also complete and deliver
+    the counts. A tensor put on "the current device" is CPU here by construction; that case needs
+    torch_npu imported, which the ``ascend`` session does (tests/conftest.py, REQUIRE_NPU)."""
+
     def forbidden(*args, **kwargs):
         raise AssertionError("balance path synchronized a device")
 
@@ -189,13 +199,13 @@ def test_balance_tensors_are_cpu_on_gloo_and_no_device_sync(monkeypatch):
     for scheduler, group in zip(ranks, groups):
         scheduler.dp_group = group
         assert group.name() == "gloo"  # stateless groups are not in the world map
+    gathered = []
     for _ in range(2):
-        threads = [threading.Thread(target=s.balance_gather) for s in ranks]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        run_as_ranks(*(s.balance_gather for s in ranks))
+        gathered.append([[int(t.item()) for t in s.balance_queue] for s in ranks])
         for scheduler in ranks:
-            scheduler.schedule()
+            factories.step(scheduler)
+    # Every rank received every rank's len(running): none before the first step, CAP after it.
+    assert gathered == [[[0, 0], [0, 0]], [[CAP, CAP], [CAP, CAP]]]
     assert created and all(t.device.type == "cpu" for t in created)
     assert all(t.device.type == "cpu" for s in ranks for t in s.balance_queue)
