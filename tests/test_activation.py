@@ -205,15 +205,16 @@ def test_spawn_child_runs_balance_engine_core_and_async_scheduler(tmp_path):
 # Validation (clear messages)
 
 
-def test_pd_disaggregated_is_refused(monkeypatch):
+def with_kv_role(monkeypatch, config, role):
     from vllm.config import KVTransferConfig
 
-    config = dp_config()
-    monkeypatch.setattr(
-        config,
-        "kv_transfer_config",
-        KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer"),
-    )
+    transfer = KVTransferConfig(kv_connector="NixlConnector", kv_role=role)
+    monkeypatch.setattr(config, "kv_transfer_config", transfer)
+    return config
+
+
+def test_pd_disaggregated_is_refused(monkeypatch):
+    config = with_kv_role(monkeypatch, dp_config(), "kv_producer")
     with pytest.raises(ValueError) as excinfo:
         activation.activate_for(config)
     assert str(excinfo.value) == (
@@ -221,6 +222,20 @@ def test_pd_disaggregated_is_refused(monkeypatch):
         "'kv_producer' (PD-disaggregated) cannot enable enable_balance_scheduling"
     )
     assert core_module.DPEngineCoreProc is DPEngineCoreProc
+
+
+def test_pd_disaggregated_decode_side_kv_consumer_is_refused(monkeypatch):
+    config = with_kv_role(monkeypatch, dp_config(), "kv_consumer")
+    with pytest.raises(ValueError, match=r"mode only; kv_transfer_config\.kv_role='kv_consumer' "):
+        activation.activate_for(config)
+    assert core_module.DPEngineCoreProc is DPEngineCoreProc
+
+
+def test_pd_mixed_kv_both_activates_balance(monkeypatch):
+    # kv_both: one instance both prefills and decodes (e.g. KV offloading), i.e. PD-mixed.
+    config = with_kv_role(monkeypatch, dp_config(), "kv_both")
+    assert activation.activate_for(config) is True
+    assert core_module.DPEngineCoreProc is BalanceDPEngineCoreProc
 
 
 def test_foreign_scheduler_cls_is_refused_with_how_to_combine():
@@ -247,6 +262,41 @@ def test_balance_that_cannot_act_warns_and_installs_nothing(caplog, config_kwarg
     assert message in caplog.text
     assert core_module.DPEngineCoreProc is DPEngineCoreProc
     assert config.scheduler_config.scheduler_cls is None
+
+
+ASCEND_PATCH_MODULE = "vllm_ascend.patch.platform.patch_balance_schedule"
+
+
+@pytest.mark.parametrize(
+    "patched", ["DPEngineCoreProc", "run_engine_core", "run_engine_core-under-our-wrapper"]
+)
+def test_vllm_ascend_engine_core_patches_refuse_double_activation(monkeypatch, patched):
+    # vllm-ascend's built-in balance (and its DyntraLB) replace these two as well as Scheduler.
+    if patched == "DPEngineCoreProc":
+        name = "vllm.v1.engine.core.DPEngineCoreProc"
+        foreign = type("BalanceDPEngineCoreProc", (DPEngineCoreProc,), {})
+        foreign.__module__ = ASCEND_PATCH_MODULE
+        monkeypatch.setattr(core_module, "DPEngineCoreProc", foreign)
+    else:
+        name = "EngineCoreProc.run_engine_core"
+
+        def foreign(*args, **kwargs):
+            raise AssertionError("not called: activation refuses before running anything")
+
+        foreign.__module__ = ASCEND_PATCH_MODULE
+        monkeypatch.setattr(EngineCoreProc, "run_engine_core", staticmethod(foreign))
+        if patched == "run_engine_core-under-our-wrapper":
+            plugin.register()  # both plugins loaded: our wrapper now wraps vllm-ascend's
+    try:
+        with pytest.raises(ValueError) as excinfo:
+            activation.activate_for(dp_config())
+        swapped = registry.DP_ENGINE_CORE_SWAP.is_installed()
+    finally:
+        monkeypatch.undo()  # before restore_patches checks that upstream's objects are back
+    message = str(excinfo.value)
+    assert message.startswith("balance scheduling is already patched in by vllm-ascend (")
+    assert f"{name} -> {ASCEND_PATCH_MODULE}.{foreign.__qualname__}" in message
+    assert not swapped
 
 
 def test_vllm_ascend_balance_patch_active_refuses_double_activation(monkeypatch):
