@@ -1,25 +1,33 @@
-"""Reading the enable key: one place, nested wins, booleans only, env var deprecated."""
+"""Reading the enable key: one place, AscendConfig first, nested wins, booleans only, env var
+deprecated. Every config here is a real ``VllmConfig`` (``vllm_balance.factories``)."""
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import sys
 import types
 
 import pytest
 
+from vllm_balance import factories
 from vllm_balance.config import DEPRECATED_ENV_VAR, balance_enabled
 
 
-def config_with(additional_config):
-    # balance_enabled reads only .additional_config; a real VllmConfig is covered in
-    # test_activation.py, this isolates the parsing rules.
-    return types.SimpleNamespace(additional_config=additional_config)
+@functools.cache
+def _vllm_config(additional_config_json: str):
+    # One real VllmConfig per distinct additional_config (construction is the slow part).
+    return factories.make_vllm_config(additional_config=json.loads(additional_config_json))
+
+
+def enabled_with(additional_config: dict) -> bool:
+    return balance_enabled(_vllm_config(json.dumps(additional_config, sort_keys=True)))
 
 
 @pytest.mark.parametrize(
     "additional_config, expected",
     [
-        (None, False),
         ({}, False),
         ({"enable_balance_scheduling": True}, True),
         ({"enable_balance_scheduling": False}, False),
@@ -43,13 +51,13 @@ def config_with(additional_config):
     ],
 )
 def test_enable_key_sources(additional_config, expected):
-    assert balance_enabled(config_with(additional_config)) is expected
+    assert enabled_with(additional_config) is expected
 
 
 @pytest.mark.parametrize("value", ["yes", "true", 1, 1.5, ["true"], None])
 def test_non_boolean_value_is_a_clear_error_naming_key_and_value(value):
     with pytest.raises(ValueError) as excinfo:
-        balance_enabled(config_with({"enable_balance_scheduling": value}))
+        enabled_with({"enable_balance_scheduling": value})
     assert str(excinfo.value) == (
         f"additional_config.enable_balance_scheduling must be a boolean (JSON true or false), "
         f"got {value!r} of type {type(value).__name__}"
@@ -57,21 +65,22 @@ def test_non_boolean_value_is_a_clear_error_naming_key_and_value(value):
 
 
 def test_non_boolean_nested_value_names_the_nested_key():
+    nested = {"scheduler_config": {"enable_balance_scheduling": "on"}}
     with pytest.raises(ValueError, match=r"additional_config\.scheduler_config\.enable_balance"):
-        balance_enabled(config_with({"scheduler_config": {"enable_balance_scheduling": "on"}}))
+        enabled_with(nested)
 
 
 def test_deprecated_env_var_enables_with_a_warning(monkeypatch, caplog):
     monkeypatch.setenv(DEPRECATED_ENV_VAR, "1")
     with caplog.at_level(logging.WARNING, logger="vllm_balance"):
-        assert balance_enabled(config_with({})) is True
+        assert enabled_with({}) is True
     assert f"{DEPRECATED_ENV_VAR} is deprecated" in caplog.text
 
 
 def test_additional_config_wins_over_deprecated_env_var(monkeypatch, caplog):
     monkeypatch.setenv(DEPRECATED_ENV_VAR, "1")
     with caplog.at_level(logging.WARNING, logger="vllm_balance"):
-        assert balance_enabled(config_with({"enable_balance_scheduling": False})) is False
+        assert enabled_with({"enable_balance_scheduling": False}) is False
     assert "deprecated" not in caplog.text  # never parsed when the key is set
 
 
@@ -80,7 +89,7 @@ def test_bad_deprecated_env_var_is_a_clear_error(monkeypatch):
     with pytest.raises(
         ValueError, match=f"{DEPRECATED_ENV_VAR} must be 0/1/true/false, got 'maybe'"
     ):
-        balance_enabled(config_with({}))
+        enabled_with({})
 
 
 def test_env_var_is_read_only_in_the_config_module():
@@ -94,3 +103,81 @@ def test_env_var_is_read_only_in_the_config_module():
         if DEPRECATED_ENV_VAR in p.read_text() or "DEPRECATED_ENV_VAR" in p.read_text()
     ]
     assert readers == ["vllm_balance/config.py"]
+
+
+# Source 1: vllm-ascend's AscendConfig. vllm-ascend cannot be imported without an NPU, so the
+# tests install a stand-in ``vllm_ascend.ascend_config`` with the two attribute shapes the real
+# AscendConfig has had; the parsing rules behind them are vllm-ascend's, not under test here.
+
+
+class AscendConfigUpTo024:
+    """vllm-ascend v0.23.0 .. v0.24.0rc1: the key is an attribute of ``AscendConfig`` itself."""
+
+    def __init__(self, enabled) -> None:
+        self.enable_balance_scheduling = enabled
+
+
+class AscendSchedulerConfig:
+    """``AscendConfig.scheduler_config`` from vllm-ascend v0.25.1rc1 (#12177, "Nest scheduler
+    configuration"): the parsed ``additional_config.scheduler_config``, with other keys beside."""
+
+    def __init__(self, enabled) -> None:
+        self.enable_balance_scheduling = enabled
+        self.recompute_scheduler_enable = False
+
+
+class AscendConfigFrom025:
+    """vllm-ascend v0.25.1rc1 and later: no top-level attribute, only the nested one."""
+
+    def __init__(self, enabled) -> None:
+        self.scheduler_config = AscendSchedulerConfig(enabled)
+
+
+ASCEND_SHAPES = {"v0.24": AscendConfigUpTo024, "v0.25+": AscendConfigFrom025}
+
+
+@pytest.fixture
+def ascend_config(monkeypatch):
+    """Install the stand-in module; returns a setter for the process's AscendConfig.
+
+    Like the real ``get_ascend_config()``, the stand-in raises until an AscendConfig exists in
+    the process (vllm-ascend initialises it from the VllmConfig during platform setup).
+    """
+    current: list = []
+
+    def get_ascend_config():
+        if not current:
+            raise RuntimeError("stand-in: AscendConfig not initialised in this process")
+        return current[0]
+
+    package = types.ModuleType("vllm_ascend")
+    package.__path__ = []  # a package, so the submodule import resolves from sys.modules
+    module = types.ModuleType("vllm_ascend.ascend_config")
+    module.get_ascend_config = get_ascend_config  # type: ignore[attr-defined]
+    package.ascend_config = module  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm_ascend", package)
+    monkeypatch.setitem(sys.modules, "vllm_ascend.ascend_config", module)
+    return current.append
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("shape", ASCEND_SHAPES)
+def test_ascend_config_is_the_primary_source(ascend_config, shape, enabled):
+    ascend_config(ASCEND_SHAPES[shape](enabled))
+    # additional_config says the opposite, in either form: AscendConfig wins.
+    opposite = {"enable_balance_scheduling": not enabled}
+    assert enabled_with(opposite) is enabled
+    assert enabled_with({"scheduler_config": opposite}) is enabled
+
+
+def test_uninitialised_ascend_config_falls_back_to_additional_config(ascend_config):
+    assert enabled_with({"enable_balance_scheduling": True}) is True
+    assert enabled_with({}) is False
+
+
+@pytest.mark.parametrize("shape", ASCEND_SHAPES)
+def test_non_boolean_ascend_config_value_is_a_clear_error(ascend_config, shape):
+    # vllm-ascend passes additional_config values through unchecked: a JSON "true" arrives as str.
+    ascend_config(ASCEND_SHAPES[shape]("true"))
+    with pytest.raises(ValueError, match=r"^enable_balance_scheduling must be a boolean .*'true'"):
+        enabled_with({"enable_balance_scheduling": True})
