@@ -22,6 +22,30 @@ def session_has_seam() -> bool | None:
     return None if flag is None else flag == "1"
 
 
+# Set by `nox -s ascend`: the run counts as Ascend evidence only if torch_npu is imported (so
+# torch.npu exists for the host-only test to trap) and sees a device; otherwise it fails.
+REQUIRE_NPU_ENV = "VLLM_BALANCE_REQUIRE_NPU"
+
+
+def npu_missing_reason() -> str | None:
+    """None when torch_npu imports and sees an NPU; otherwise why not."""
+    try:
+        import torch
+        import torch_npu  # noqa: F401
+    except Exception as exc:  # ImportError, or torch_npu failing to load its runtime
+        return f"torch_npu cannot be imported ({type(exc).__name__}: {exc})"
+    if not torch.npu.is_available():
+        return "torch_npu sees no NPU"
+    return None
+
+
+def pytest_configure(config) -> None:
+    if os.environ.get(REQUIRE_NPU_ENV) == "1":
+        reason = npu_missing_reason()
+        if reason is not None:
+            raise pytest.UsageError(f"{REQUIRE_NPU_ENV}=1 but {reason}")
+
+
 @pytest.fixture(autouse=True)
 def _no_deprecated_env(monkeypatch):
     # The deprecated env var would leak into every config read; tests that need it set it.

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
-from conftest import session_pin_name
+from conftest import REQUIRE_NPU_ENV, ROOT, npu_missing_reason, session_pin_name
 
 from pins import PinError, read_pin
 from vllm_balance import factories
@@ -89,3 +93,18 @@ def test_chunked_prefill_samples_only_when_the_prompt_is_complete():
     rest, _ = factories.step(scheduler)
     assert rest.num_scheduled_tokens == {"req-0": 36}
     assert request.num_output_tokens == 1
+
+
+def test_require_npu_fails_a_run_where_no_npu_is_visible():
+    if npu_missing_reason() is None:
+        pytest.skip("an NPU is visible here: the requirement holds")
+    collect = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--co", "-q"]
+    collect.append("tests/test_testbed.py")
+    env = {k: v for k, v in os.environ.items() if k != REQUIRE_NPU_ENV}
+    without = subprocess.run(collect, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert without.returncode == 0, without.stdout[-2000:] + without.stderr[-2000:]
+    required = subprocess.run(
+        collect, cwd=ROOT, env={**env, REQUIRE_NPU_ENV: "1"}, capture_output=True, text=True
+    )
+    assert required.returncode != 0
+    assert f"{REQUIRE_NPU_ENV}=1 but " in required.stderr, required.stderr[-2000:]
