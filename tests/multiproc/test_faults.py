@@ -2,8 +2,10 @@
 
 What survivors do is measured, not assumed (numbers in docs/deadlocks.md): the same scenario runs
 against upstream's own DP loop with balance off (``baseline``) and with the shipped hook
-(``balance``). "Worse" would be a survivor that upstream lets fail loudly (exit, ENGINE_CORE_DEAD
-to the front end) but that balance leaves hanging, or a slower failure.
+(``balance``). Upstream's survivors fail loudly: they exit with an error and tell the front end
+(ENGINE_CORE_DEAD). "Worse" would be a survivor that balance leaves hanging or silent, or one that
+exits differently. Exit *times* are reported, not compared: two runs on a loaded 2-core machine
+differ by seconds either way.
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ from tests.multiproc.standin import FORWARD_SECONDS_ENV
 
 pytestmark = pytest.mark.timeout(900)
 
-# Survivors of a peer's death fail within ~1 s when gloo sees the closed connection; the window
-# leaves room for a loaded machine and for the SIGTERM-less exit path.
-WINDOW_SECONDS = 20.0
-# Slack allowed to balance over baseline in time-to-exit (scheduling noise on 2 cores).
-SLACK_SECONDS = 5.0
+# Survivors of a peer's death fail within ~1 s when gloo sees the closed connection, then take
+# 2.5-6 s to tear down on the loaded machine. The window only bounds a hang: observing stops as
+# soon as every survivor has exited, so a wide one costs nothing when they do.
+WINDOW_SECONDS = 60.0
 
 
 def kill_scenario(mode: str, dp: int, victim: int, idle: bool) -> tuple[dict, int]:
@@ -40,20 +41,27 @@ def kill_scenario(mode: str, dp: int, victim: int, idle: bool) -> tuple[dict, in
     return report, dead_messages
 
 
-def _outcome(report: dict) -> list[str]:
-    return ["exited" if r["exited_after"] is not None else "alive" for r in report.values()]
+def assert_survivors_fail_loudly(mode: str, report: dict, dead_messages: int) -> None:
+    """Every survivor exited within the window with an error, and the front end was told."""
+    for rank, survivor in report.items():
+        where = (mode, f"rank {rank}", survivor["failed_in"])
+        assert survivor["exited_after"] is not None, (*where, "still alive", survivor["frames"])
+        assert survivor["exitcode"] not in (0, None), (*where, survivor["log"])
+    assert dead_messages >= len(report), (mode, f"{dead_messages} ENGINE_CORE_DEAD messages")
 
 
 def assert_balance_no_worse(dp: int, victim: int, idle: bool) -> tuple[dict, dict]:
     baseline, baseline_dead = kill_scenario("baseline", dp, victim, idle)
+    # Upstream must fail loudly here, or "no worse than upstream" would compare nothing.
+    assert_survivors_fail_loudly("baseline", baseline, baseline_dead)
     balance, balance_dead = kill_scenario("balance", dp, victim, idle)
-    for rank in baseline:
-        before, after = baseline[rank], balance[rank]
-        if before["exited_after"] is not None:
-            assert after["exited_after"] is not None, (rank, "balance hangs where upstream fails")
-            assert after["exited_after"] <= before["exited_after"] + SLACK_SECONDS, (rank, after)
-    assert balance_dead >= baseline_dead
+    assert_survivors_fail_loudly("balance", balance, balance_dead)
+    assert exit_codes(balance) == exit_codes(baseline), (exit_codes(baseline), exit_codes(balance))
     return baseline, balance
+
+
+def exit_codes(report: dict) -> dict[int, int | None]:
+    return {rank: survivor["exitcode"] for rank, survivor in report.items()}
 
 
 def test_killed_rank_mid_decode_survivors_fail_as_upstream():
