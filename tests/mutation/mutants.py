@@ -22,6 +22,8 @@ class Mutant:
     wrong: str  # what the variant does, for the kill table
     paths: tuple[str, ...]  # "shim" and/or "compat": where the variant exists
     apply: Callable[[], None]
+    # Test files run for this mutant on top of the shared suite (run.py): where its killer lives.
+    files: tuple[str, ...] = ()
 
 
 def _mixin():
@@ -156,12 +158,86 @@ def gate_reads_stale_buffer() -> None:
     _mixin().gathered_vector = lambda self: self._gathered
 
 
+def disabled_gate_keyed_on_balance_queue() -> None:
+    """Balance off, yet the gate acts on a ``balance_queue`` set from outside: the decision is
+    keyed on the state being there instead of on the config (shim: the mixin; compat: delta 1)."""
+    mixin = _mixin()
+    real_schedule = mixin.schedule
+
+    def schedule(self, throttle_prefills: bool = False):
+        if not self._balance_enabled and hasattr(self, "balance_queue"):
+            self.admission_frozen = _gathered_max(self) == self.max_num_running_reqs
+        return real_schedule(self, throttle_prefills)
+
+    mixin.schedule = schedule
+    from vllm_balance.compat import derive
+
+    derive.DELTA_DISABLED_PATH = tuple(
+        line.replace("not self._balance_enabled", 'not hasattr(self, "balance_queue")')
+        for line in derive.DELTA_DISABLED_PATH
+    )
+
+
+def engine_core_skips_gather() -> None:
+    """``balance_gather()`` deleted from the engine core's hook; the DP group is still injected."""
+    from vllm_balance.shim.engine_core import BalanceDPEngineCoreProc
+
+    def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
+        result = super(BalanceDPEngineCoreProc, self)._has_global_unfinished_reqs(local_unfinished)
+        self.scheduler.dp_group = self.dp_group
+        return result
+
+    BalanceDPEngineCoreProc._has_global_unfinished_reqs = _has_global_unfinished_reqs
+
+
+def pd_refusal_misses_kv_consumer() -> None:
+    """The PD-disaggregated refusal checks ``kv_producer`` only (a decode instance slips in)."""
+    from vllm_balance import activation
+
+    real_kv_role = activation._kv_role
+    activation._kv_role = lambda config: (
+        None if real_kv_role(config) == "kv_consumer" else real_kv_role(config)
+    )
+
+
+def ascend_config_not_consulted() -> None:
+    """Config source 1 (vllm-ascend's ``AscendConfig``) skipped: additional_config decides."""
+    from vllm_balance import config
+
+    config._from_ascend_config = lambda: config._UNSET
+
+
+def ascend_config_nested_form_ignored() -> None:
+    """Only ``AscendConfig.enable_balance_scheduling`` (vllm-ascend <= 0.24's shape) is read;
+    newer vllm-ascend's ``AscendConfig.scheduler_config.enable_balance_scheduling`` is missed."""
+    from vllm_balance import config
+
+    def from_ascend_config():
+        try:
+            from vllm_ascend.ascend_config import get_ascend_config
+        except ImportError:
+            return config._UNSET
+        try:
+            ascend_config = get_ascend_config()
+        except Exception:
+            return config._UNSET
+        return getattr(ascend_config, config.ENABLE_KEY, config._UNSET)
+
+    config._from_ascend_config = from_ascend_config
+
+
 def delta3_reverted_to_assert() -> None:
     from vllm_balance.compat import derive
 
     # Upstream's statement in place of delta 3 (the anchor it replaces).
     derive.DELTA_NO_QUEUE = (derive.QUEUE_ASSERT,)
 
+
+PD_ROLE_TESTS = (
+    "test_pd_disaggregated_is_refused",
+    "test_pd_disaggregated_decode_side_kv_consumer_is_refused",
+    "test_pd_mixed_kv_both_activates_balance",
+)
 
 MUTANTS = {
     m.name: m
@@ -220,14 +296,58 @@ MUTANTS = {
             ("shim", "compat"),
             gather_payload_len_waiting,
         ),
+        Mutant(
+            "disabled_gate_keyed_on_balance_queue",
+            "balance off, the gate still acts on a `balance_queue` set from outside",
+            ("shim", "compat"),
+            disabled_gate_keyed_on_balance_queue,
+        ),
+        Mutant(
+            "engine_core_skips_gather",
+            "`balance_gather()` deleted from the engine core's hook (DP group still injected)",
+            ("shim", "compat"),
+            engine_core_skips_gather,
+            files=("tests/multiproc/test_entrypoint.py",),
+        ),
+        Mutant(
+            "pd_refusal_misses_kv_consumer",
+            "PD refusal checks `kv_producer` only; `kv_consumer` activates balance",
+            ("shim", "compat"),
+            pd_refusal_misses_kv_consumer,
+            # The PD tests only: the rest of the file starts interpreters (minutes on 2 cores).
+            files=tuple(f"tests/test_activation.py::{test}" for test in PD_ROLE_TESTS),
+        ),
+        Mutant(
+            "ascend_config_not_consulted",
+            "config source 1 (vllm-ascend's `AscendConfig`) skipped",
+            ("shim", "compat"),
+            ascend_config_not_consulted,
+            files=("tests/test_config.py",),
+        ),
+        Mutant(
+            "ascend_config_nested_form_ignored",
+            "`AscendConfig.scheduler_config.enable_balance_scheduling` (nested form) not read",
+            ("shim", "compat"),
+            ascend_config_nested_form_ignored,
+            files=("tests/test_config.py",),
+        ),
     )
 }
 
 
+_applied: list[str] = []
+
+
 def apply(name: str) -> None:
-    """Apply mutant ``name`` (``"none"``: the baseline) before anything imports compat's class."""
+    """Apply mutant ``name`` (``"none"``: the baseline) before anything imports compat's class.
+
+    Also called by ``tests/multiproc/entrypoint.py``, a separate interpreter whose engine
+    processes vLLM forks from it; applying twice in one process is refused.
+    """
     if name == "none":
         return
+    assert not _applied, f"mutant {_applied[0]} already applied"
+    _applied.append(name)
     # The compat mutants change what derive splices; the derived class must not exist yet.
     assert "vllm_balance.compat.scheduler" not in sys.modules, "mutant applied too late"
     MUTANTS[name].apply()

@@ -7,8 +7,10 @@
 
 One pytest process per mutant (the mutant is applied by the ``pytest_mutant`` plugin before any
 test module is imported), on the installed vLLM: the compat path without the seam, the shim path
-with it. The unmutated baseline runs first and must pass; then each mutant must be killed, i.e.
-pytest must fail, and the table lists which tests failed. Exit status 1 if the baseline fails or
+with it. Each mutant runs the shared suite plus the files it names (``Mutant.files``: where the
+killer of a bug outside the scheduler lives). The unmutated baseline runs first, on every file of
+the run, and must pass; then each mutant must be killed, i.e. pytest must fail, and the table
+lists which tests failed. Exit status 1 if the baseline fails or
 a mutant survives.
 """
 
@@ -132,12 +134,14 @@ def main() -> int:
 
     vllm_version = importlib.metadata.version("vllm")
     path = active_path()
-    files = SUITE + (COMPAT_SUITE if path == "compat" else [])
+    shared = SUITE + (COMPAT_SUITE if path == "compat" else [])
     names = args.mutant or [n for n, m in MUTANTS.items() if path in m.paths]
-    print(f"vLLM {vllm_version}, {path} path; suite: {' '.join(files)}", flush=True)
+    own_files = {name: [f for f in MUTANTS[name].files if f not in shared] for name in names}
+    own_files["none"] = list(dict.fromkeys(f for name in names for f in own_files[name]))
+    print(f"vLLM {vllm_version}, {path} path; shared suite: {' '.join(shared)}", flush=True)
     rows = []
     for name in ["none", *names]:
-        row = run_pytest(name, files, args.profile)
+        row = run_pytest(name, shared + own_files[name], args.profile)
         rows.append(row)
         if row["applied"] is None or row["applied"]["mutant"] != name:
             print(row["tail"])
