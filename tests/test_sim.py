@@ -7,12 +7,14 @@ Every run here drives the installed vLLM's real schedulers on a tiny scenario (D
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 
 import pytest
 
 from vllm_balance.sim.runner import SimOptions, build_workload, run_policy
-from vllm_balance.sim.workload import TraceError, load_trace
+from vllm_balance.sim.stepmodel import RankWork, StepTimeModel
+from vllm_balance.sim.workload import Arrival, TraceError, load_trace
 
 ALL_POLICIES = ("off", "on", "cap-1", "vllm-cadence:2", "trtllm-adp:50:10", "bounded-hold:3")
 
@@ -26,6 +28,16 @@ TINY = SimOptions(
     output_len="uniform:2:24",
     policies=ALL_POLICIES,
     seed=7,
+    # The step model before issue 16 (every rank's work its own, the gather free): the
+    # byte-for-byte test below pins that these keys at 0 reproduce the numbers of that model.
+    step_model=StepTimeModel(shared_fraction=0.0, gather_ms=0.0),
+)
+
+# sha256 of TINY's "policies" section (json.dumps(indent=1, sort_keys=True)) as the simulator
+# wrote it before shared_fraction and gather_ms existed (commit e13c59c); the same at vLLM
+# 0.24.0 and 0.25.0, compat and shim path.
+PRE_SHARED_FRACTION_POLICIES_SHA256 = (
+    "6f6042a84bf9fcce5287e771f029dcbacb828d3363d9379f0c6c73b48dcc5b8a"
 )
 
 
@@ -51,6 +63,13 @@ def test_same_seed_gives_byte_identical_json(tiny_runs, tmp_path):
     assert (tmp_path / "sim.json").read_bytes() == (first_dir / "sim.json").read_bytes()
 
 
+def test_shared_fraction_0_and_free_gather_reproduce_the_earlier_numbers_byte_for_byte(tiny_runs):
+    out, _ = tiny_runs
+    policies = json.loads((out / "sim.json").read_text())["policies"]
+    text = json.dumps(policies, indent=1, sort_keys=True)
+    assert hashlib.sha256(text.encode()).hexdigest() == PRE_SHARED_FRACTION_POLICIES_SHA256
+
+
 def test_json_holds_every_policy_and_no_wall_clock(tiny_runs):
     out, _ = tiny_runs
     document = json.loads((out / "sim.json").read_text())
@@ -74,7 +93,7 @@ def test_pngs_open_and_the_running_plot_has_one_line_per_rank(tiny_runs):
         with Image.open(out / name) as image:
             image.verify()
             assert image.size[0] > 300 and image.size[1] > 200
-    figure = running_figure([(run.cluster, run.summary) for run in runs])
+    figure = running_figure([(run.record, run.summary) for run in runs])
     assert len(figure.axes) == len(ALL_POLICIES)
     for ax in figure.axes:
         rank_lines = [line for line in ax.get_lines() if line.get_label().startswith("rank ")]
@@ -145,7 +164,7 @@ def test_gathered_vector_equals_every_ranks_running_count(tiny_workload):
 
 def _admissions_while_leader_at_cap(run) -> tuple[int, int]:
     """(steps whose gate input had a rank at the cap, admissions made on those steps)."""
-    log, cap = run.cluster.log, TINY.max_num_seqs
+    log, cap = run.record.log, TINY.max_num_seqs
     previous_running = [[0] * TINY.dp_size] + log.running[:-1]
     at_cap = [i for i, row in enumerate(previous_running) if max(row) == cap]
     return len(at_cap), sum(sum(log.admitted[i]) for i in at_cap)
@@ -163,7 +182,7 @@ def test_contract_gate_never_admits_while_some_rank_was_at_the_cap(tiny_runs):
 
 def test_gate_input_is_the_previous_steps_gather(tiny_runs):
     _, runs = tiny_runs
-    log = next(run for run in runs if run.summary.policy == "on").cluster.log
+    log = next(run for run in runs if run.summary.policy == "on").record.log
     assert log.gate_input[0] == [0] * TINY.dp_size
     for i in range(1, len(log.running)):
         assert log.gate_input[i] == log.running[i - 1]
@@ -185,9 +204,9 @@ def test_run_policy_rejects_unknown_policy(tiny_workload):
 def test_product_counters_match_the_simulators_accounting(tiny_runs, policy):
     """The schedulers' own BalanceStats agree with what the simulator logged on the same run."""
     _, runs = tiny_runs
-    [run] = [r for r in runs if r.cluster.policy.name == policy]
-    log, schedulers = run.cluster.log, run.cluster.schedulers
-    stats = [s.balance_stats for s in schedulers]
+    [run] = [r for r in runs if r.record.policy == policy]
+    log, stats = run.record.log, run.record.balance_stats
+    assert len(stats) == TINY.dp_size
     # One gather per simulated step on every rank, and the gathered vectors are the running counts.
     assert all(s.gathers == len(log.time_s) for s in stats)
     largest_gap = max(max(row) - min(row) for row in log.running)
@@ -199,3 +218,50 @@ def test_product_counters_match_the_simulators_accounting(tiny_runs, policy):
     # The simulator's "held" step is one where some scheduling rank was frozen.
     held_steps = sum(log.held)
     assert max(s.frozen_steps for s in stats) <= held_steps <= sum(s.frozen_steps for s in stats)
+
+
+# --- step-time model: shared expert work and the gather's own cost ----------------------------
+
+
+def test_shared_fraction_moves_a_bursts_share_from_its_rank_to_all_ranks():
+    burst = [RankWork(prefill_tokens=1000), RankWork(), RankWork(), RankWork()]
+    per_rank, shared, half = (
+        StepTimeModel(shared_fraction=f).step_time_ms(burst) for f in (0.0, 1.0, 0.5)
+    )
+    assert per_rank == pytest.approx(20.0 + 0.11 * 1000)  # the bursting rank stalls everyone
+    assert shared == pytest.approx(20.0 + 0.11 * 1000 / 4)  # its expert work is spread over 4
+    assert half == pytest.approx(20.0 + 0.11 * 500 + 0.11 * 500 / 4)
+    # Evenly spread work costs the same whatever the fraction: sharing only moves imbalance.
+    even = [RankWork(prefill_tokens=250, decode_requests=8, kv_tokens=100)] * 4
+    assert (
+        len({round(StepTimeModel(shared_fraction=f).step_time_ms(even), 9) for f in (0, 0.5, 1)})
+        == 1
+    )
+
+
+def _simultaneous_run(policy: str, gather_ms: float):
+    """A DP=2 cluster where every request arrives at t=0: decisions cannot depend on time."""
+    from vllm_balance.sim.engine import Cluster
+    from vllm_balance.sim.policies import make_policy
+    from vllm_balance.sim.router import make_router
+    from vllm_balance.sim.runner import cluster_config
+
+    options = dataclasses.replace(TINY, dp_size=2, max_num_seqs=2)
+    arrivals = [Arrival(i, 0.0, 40, 5) for i in range(8)]
+    cluster = Cluster(
+        cluster_config(options, arrivals),
+        make_policy(policy),
+        make_router("least-loaded", 2, "stale+bump", 0.1),
+        StepTimeModel(gather_ms=gather_ms),
+        arrivals,
+    )
+    return cluster.run().log
+
+
+@pytest.mark.parametrize("policy, charged", [("on", True), ("off", False)])
+def test_the_gather_costs_gather_ms_per_step_only_where_balance_gathers(policy, charged):
+    free, paid = _simultaneous_run(policy, 0.0), _simultaneous_run(policy, 5.0)
+    assert paid.running == free.running and len(free.time_s) > 5
+    extra = [p - f for p, f in zip(paid.time_s, free.time_s)]
+    expected = [0.005 * (step + 1) if charged else 0.0 for step in range(len(extra))]
+    assert extra == pytest.approx(expected)

@@ -67,8 +67,8 @@ class Route:
 ARGPARSE = "arguments parse with the script's own argparse (`build_parser()`)"
 NOX_NAMES = "session names exist in noxfile.py"
 SIM_ARGS = (
-    "arguments parse with `vllm_balance.sim`'s argparse; each `--policies` entry with "
-    "`make_policy()`"
+    "arguments parse with `vllm_balance.sim`'s argparse (which checks each `--policies` entry "
+    "with `make_policy()` and loads a `--step-model` file)"
 )
 REGISTRY: tuple[Route, ...] = (
     Route(
