@@ -115,6 +115,8 @@ def _summary(ttft_p99=1000.0, ttft_p50=200.0, tok=2000.0, tpot=90.0, policy="p")
         ([_summary(ttft_p50=600), _summary(ttft_p50=500)], HURTS),
         ([_summary(ttft_p99=300, tok=1500), _summary(ttft_p99=350, tok=1600)], MIXED),
         ([_summary(tpot=92), _summary(tpot=88)], NEUTRAL),
+        # TPOT is shown, not judged: a hold shortens batches whatever it costs elsewhere.
+        ([_summary(tpot=50), _summary(tpot=55)], NEUTRAL),
         ([_summary(ttft_p99=300), _summary(ttft_p99=1900)], UNCLEAR),
     ],
 )

@@ -231,6 +231,7 @@ def add_scenario_options(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(
         prog=PROG,
+        usage=f"{PROG} [options]\n       {PROG} advise [options]\n       {PROG} envelope [options]",
         description="DP balance scheduling simulator on the installed vLLM's real scheduler. "
         "Without a command: run the policies on one scenario and write sim.json and plots.",
         epilog=f"Commands: '{PROG} advise [options]' recommends whether to enable balance for "

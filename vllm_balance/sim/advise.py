@@ -88,8 +88,8 @@ def recommendation(
     steps = int(hold.split(":")[1])
     hold_key = f"balance_max_frozen_steps: {steps}"
     held_config = json.dumps({"enable_balance_scheduling": True, "balance_max_frozen_steps": steps})
-    better = [c.text() for c in on_vs_off if c.improves]
-    worse = [c.text() for c in on_vs_off if c.worsens]
+    better = [c.text() for c in on_vs_off if c.judged and c.improves]
+    worse = [c.text() for c in on_vs_off if c.judged and c.worsens]
     decision = verdict(on_vs_off)
     if decision == HELPS:
         lines = [
@@ -109,7 +109,8 @@ def recommendation(
         ]
     else:  # NEUTRAL (UNCLEAR is stopped by the caller)
         lines = [
-            "Recommendation: NO DIFFERENCE. Enabling balance scheduling changes no metric by "
+            "Recommendation: NO DIFFERENCE. Enabling balance scheduling changes neither TTFT nor "
+            "throughput by "
             f"more than {NEUTRAL_PCT:g}% (the gate froze admission on {frozen_on:.1%} of steps);"
             " it buys nothing at this load, so leave it off.",
         ]
@@ -150,7 +151,8 @@ def advise(args: argparse.Namespace, base: SimOptions, processes: int) -> int:
     workload = cached_workload(per_seed[0])
     load = offered_load(base, workload)
     model = base.step_model
-    print(f"Scenario: {scenario_title(base, workload)}; seeds {','.join(map(str, seeds))}")
+    title = scenario_title(base, workload, seed=False)
+    print(f"Scenario: {title}; seeds {','.join(map(str, seeds))}")
     print(
         f"  offered load {load:.2f}x dp x max_num_seqs in flight; step model: fixed "
         f"{model.fixed_ms:g} ms, prefill {model.per_prefill_token_ms:g} ms/token, decode "
@@ -160,7 +162,7 @@ def advise(args: argparse.Namespace, base: SimOptions, processes: int) -> int:
     requests = summaries["off"][0].submitted
     print(
         f"  {len(jobs)} runs ({', '.join(policies)} x {len(seeds)} seeds, {requests} requests "
-        f"each) in {wall:.0f} s, {min(processes, len(jobs))} processes"
+        f"each) in {wall:.0f} s wall, {min(processes, len(jobs))} process(es)"
     )
     print("\nMean over seeds:")
     print(
@@ -179,13 +181,14 @@ def advise(args: argparse.Namespace, base: SimOptions, processes: int) -> int:
     on_vs_off = changes(summaries["off"], summaries["on"])
     hold_vs_off = changes(summaries["off"], summaries[hold])
     hold_vs_on = changes(summaries["on"], summaries[hold])
-    print("\nChange vs off (mean, and the range over seeds):")
+    print("\nChange vs off (mean, and the range over seeds; TPOT is shown, not judged: holding")
+    print("admissions shortens batches, so TPOT falls whenever a policy holds):")
     print(_line("on", on_vs_off))
     print(_line(hold, hold_vs_off))
     print()
     reasons = limits(base, load, summaries)
     if verdict(on_vs_off) == UNCLEAR:
-        disagree = [c.text() for c in on_vs_off if c.seeds_disagree]
+        disagree = [c.text() for c in on_vs_off if c.judged and c.seeds_disagree]
         reasons.append(
             f"the seeds disagree ({'; '.join(disagree)}): run more requests or more seeds"
         )

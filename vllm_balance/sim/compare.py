@@ -13,12 +13,14 @@ from dataclasses import dataclass
 # alone moves TPOT by 1-3% at the default step model, and seed-to-seed spread is of that order.
 NEUTRAL_PCT = 5.0
 
-# (Summary field, name shown, +1 if higher is better else -1)
+# (Summary field, name shown, +1 if higher is better else -1, judged)
+# TPOT is shown but not judged: a policy that holds admissions runs smaller batches, so its TPOT
+# falls whenever it holds, whatever it costs in TTFT and throughput; those two are the verdict.
 METRICS = (
-    ("ttft_p99_ms", "TTFT p99", -1),
-    ("ttft_p50_ms", "TTFT p50", -1),
-    ("output_tok_per_s", "throughput", +1),
-    ("tpot_p50_ms", "TPOT p50", -1),
+    ("ttft_p99_ms", "TTFT p99", -1, True),
+    ("ttft_p50_ms", "TTFT p50", -1, True),
+    ("output_tok_per_s", "throughput", +1, True),
+    ("tpot_p50_ms", "TPOT p50", -1, False),
 )
 
 
@@ -29,6 +31,7 @@ class Change:
     metric: str
     name: str
     sign: int  # +1: higher is better
+    judged: bool  # counts towards the verdict
     per_seed: tuple[float, ...]
 
     @property
@@ -78,11 +81,12 @@ def changes(baseline: Sequence, variant: Sequence) -> list[Change]:
             metric,
             name,
             sign,
+            judged,
             tuple(
                 _percent(getattr(v, metric), getattr(b, metric)) for b, v in zip(baseline, variant)
             ),
         )
-        for metric, name, sign in METRICS
+        for metric, name, sign, judged in METRICS
     ]
 
 
@@ -90,18 +94,18 @@ HELPS, NEUTRAL, HURTS, MIXED, UNCLEAR = "helps", "neutral", "hurts", "mixed", "u
 
 
 def verdict(metric_changes: Sequence[Change]) -> str:
-    """helps: some metric better, none worse; hurts: the reverse; mixed: both; neutral: none.
-
-    unclear: no metric clearly moved, but some moved a lot on average with seeds disagreeing.
+    """helps: some judged metric better, none worse; hurts: the reverse; mixed: both; neutral:
+    none. unclear: none clearly moved, but some moved a lot on average with seeds disagreeing.
     """
-    better = any(c.improves for c in metric_changes)
-    worse = any(c.worsens for c in metric_changes)
+    judged = [c for c in metric_changes if c.judged]
+    better = any(c.improves for c in judged)
+    worse = any(c.worsens for c in judged)
     if better and worse:
         return MIXED
     if better:
         return HELPS
     if worse:
         return HURTS
-    if any(c.seeds_disagree for c in metric_changes):
+    if any(c.seeds_disagree for c in judged):
         return UNCLEAR
     return NEUTRAL

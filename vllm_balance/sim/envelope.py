@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from vllm_balance.sim.compare import Change, changes, verdict
+from vllm_balance.sim.metrics import Summary
 from vllm_balance.sim.parallel import Job, cached_workload, run_jobs
 from vllm_balance.sim.runner import SimOptions, scenario_json
 
@@ -49,6 +51,12 @@ class Point:
         return next(c for c in self.vs_off[policy] if c.metric == metric)
 
 
+def _run_file(runs_dir: Path, job: Job) -> Path:
+    """Where one finished run's summary is kept: named by everything that decides it."""
+    key = json.dumps([dataclasses.asdict(job.options), job.policy], sort_keys=True)
+    return runs_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
 def sweep(
     base: SimOptions,
     loads: Sequence[float],
@@ -57,7 +65,12 @@ def sweep(
     seeds: Sequence[int],
     processes: int,
     progress: bool,
+    runs_dir: Path,
 ) -> list[Point]:
+    """Every (load, fraction, seed, policy) run, each summary saved to ``runs_dir`` as it ends.
+
+    A run already saved there is read, not repeated: an interrupted sweep resumes.
+    """
     compared = ("off", *[p for p in policies if p != "off"])
     grid = [(load, fraction) for fraction in fractions for load in loads]
     jobs = [
@@ -66,13 +79,28 @@ def sweep(
         for seed in seeds
         for policy in compared
     ]
-    summaries = iter(run.summary for run in run_jobs(jobs, processes, progress))
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    summaries: list[Summary | None] = [None] * len(jobs)
+    for index, job in enumerate(jobs):
+        path = _run_file(runs_dir, job)
+        if path.is_file():
+            summaries[index] = Summary(**json.loads(path.read_text()))
+    missing = [i for i, summary in enumerate(summaries) if summary is None]
+
+    def save(index: int, run) -> None:
+        job_index = missing[index]
+        summaries[job_index] = run.summary
+        path = _run_file(runs_dir, jobs[job_index])
+        path.write_text(json.dumps(dataclasses.asdict(run.summary), sort_keys=True) + "\n")
+
+    run_jobs([jobs[i] for i in missing], processes, progress, on_result=save)
+    ordered = iter(summaries)
     points = []
     for load, fraction in grid:
         by_policy: dict[str, list] = {p: [] for p in compared}
         for _seed in seeds:
             for policy in compared:
-                by_policy[policy].append(next(summaries))
+                by_policy[policy].append(next(ordered))
         rate = cached_workload(point_options(base, load, fraction, seeds[0])).rate_per_s
         vs_off = {p: changes(by_policy["off"], by_policy[p]) for p in compared[1:]}
         points.append(Point(load, fraction, rate or 0.0, by_policy, vs_off))
@@ -210,6 +238,7 @@ def envelope(args: argparse.Namespace, base: SimOptions, processes: int) -> int:
         args.seeds,
         processes,
         not args.no_progress,
+        out / "runs",
     )
     wall = time.perf_counter() - start
     document = {

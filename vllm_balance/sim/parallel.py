@@ -83,13 +83,19 @@ def run_jobs(
     processes: int = 1,
     progress: bool = False,
     log_interval_s: float = 0.0,
+    on_result: Callable[[int, PolicyRun], None] | None = None,
 ) -> list[PolicyRun]:
-    """Run every job, ``processes`` at a time (1: in this process); results in job order."""
+    """Run every job, ``processes`` at a time (1: in this process); results in job order.
+
+    ``on_result(index, run)`` is called in this process as each job finishes (a sweep saves
+    it, so an interrupted sweep resumes where it stopped).
+    """
     from tqdm import tqdm
 
     total = sum(len(cached_workload(job.options).arrivals) for job in jobs)
     bar = tqdm(total=total, unit="req", disable=not progress or None, file=sys.stderr)
     processes = max(1, min(processes, len(jobs)))
+    finished = on_result or (lambda index, run: None)
     try:
         if processes == 1:
             counts = [0] * len(jobs)
@@ -98,7 +104,11 @@ def run_jobs(
                 bar.update(completed - counts[index])
                 counts[index] = completed
 
-            return [_run_job(i, job, report) for i, job in enumerate(jobs)]
+            runs = []
+            for index, job in enumerate(jobs):
+                runs.append(_run_job(index, job, report))
+                finished(index, runs[-1])
+            return runs
         context = multiprocessing.get_context("spawn")
         completed = context.Array("q", len(jobs), lock=False)
         with ProcessPoolExecutor(
@@ -108,6 +118,7 @@ def run_jobs(
             initargs=(completed, log_interval_s),
         ) as pool:
             futures = [pool.submit(_run_in_worker, i, job) for i, job in enumerate(jobs)]
+            index_of = {future: i for i, future in enumerate(futures)}
             pending = set(futures)
             while pending:
                 done, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
@@ -117,6 +128,8 @@ def run_jobs(
                     for future in pending:
                         future.cancel()
                     raise failed
+                for future in done:
+                    finished(index_of[future], future.result())
             return [future.result() for future in futures]
     finally:
         bar.close()

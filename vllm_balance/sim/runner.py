@@ -181,6 +181,7 @@ class PolicyRun:
     record: Any  # engine.RunRecord; None where only the summary was asked for (sweeps)
     summary: Any  # metrics.Summary
     wall_s: float  # terminal only; kept out of the JSON
+    cpu_s: float = 0.0  # this process's CPU time for the run (benchmarks: immune to other load)
 
 
 def run_policy(
@@ -202,14 +203,14 @@ def run_policy(
         options.step_model,
         workload.arrivals,
     )
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     cluster.run(on_step)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     record = cluster.record()
-    return PolicyRun(record, summarize(record), wall)
+    return PolicyRun(record, summarize(record), wall, cpu)
 
 
-def scenario_title(options: SimOptions, workload: Workload) -> str:
+def scenario_title(options: SimOptions, workload: Workload, seed: bool = True) -> str:
     """One line naming the scenario, for plot titles."""
     if options.trace:
         load = f"trace {Path(options.trace).name}"
@@ -220,7 +221,8 @@ def scenario_title(options: SimOptions, workload: Workload) -> str:
         )
     return (
         f"DP={options.dp_size}, max_num_seqs={options.max_num_seqs}, {load}, "
-        f"shared_fraction={options.step_model.shared_fraction:g}, seed {options.seed}"
+        f"shared_fraction={options.step_model.shared_fraction:g}"
+        + (f", seed {options.seed}" if seed else "")
     )
 
 
