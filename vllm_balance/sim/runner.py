@@ -227,9 +227,14 @@ def scenario_title(options: SimOptions, workload: Workload, seed: bool = True) -
 
 
 def quiet_vllm_logs() -> None:
-    """vLLM logs INFO lines on every config; the terminal is for the progress bar and table."""
+    """vLLM logs INFO lines on every config; the terminal is for the progress bar and table.
+
+    What vLLM still logs goes to stderr (vLLM's default is stdout), so stdout carries only the
+    simulator's table or advice and can be redirected to a file as it is.
+    """
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
 def show_balance_log_lines(interval_s: float) -> None:
