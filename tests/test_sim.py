@@ -70,6 +70,17 @@ def test_shared_fraction_0_and_free_gather_reproduce_the_earlier_numbers_byte_fo
     assert hashlib.sha256(text.encode()).hexdigest() == PRE_SHARED_FRACTION_POLICIES_SHA256
 
 
+def test_runs_in_parallel_processes_give_the_same_json_as_in_this_process(tiny_runs, tmp_path):
+    from vllm_balance.sim.__main__ import simulate
+
+    first_dir, _ = tiny_runs
+    two = dataclasses.replace(TINY, policies=("off", "on"))
+    simulate(two, tmp_path, plots=False, progress=False, jobs=2)
+    parallel = json.loads((tmp_path / "sim.json").read_text())["policies"]
+    serial = json.loads((first_dir / "sim.json").read_text())["policies"]
+    assert parallel == {policy: serial[policy] for policy in ("off", "on")}
+
+
 def test_json_holds_every_policy_and_no_wall_clock(tiny_runs):
     out, _ = tiny_runs
     document = json.loads((out / "sim.json").read_text())

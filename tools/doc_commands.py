@@ -200,9 +200,9 @@ REGISTRY: tuple[Route, ...] = (
         SIM_ARGS,
     ),
     Route(
-        r"vllm-balance-sim",
+        r"vllm-balance-sim( advise| envelope)?",
         ON_DEMAND,
-        "`nox -s sim` runs the same `main()` as `python -m vllm_balance.sim`",
+        "`nox -s sim` runs the same `main()` as `python -m vllm_balance.sim` (commands after `--`)",
         "pyproject.toml's console script points at `vllm_balance.sim.__main__:main`",
     ),
     Route(
