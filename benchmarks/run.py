@@ -12,7 +12,8 @@
     gate's own per-step cost (``leader_at_cap()``), which is where balance-on time goes.
 (b) ``gather``: per-step cost of ``balance_gather()`` on a real gloo group (DP 2 and 4 processes on
     loopback) vs one bare ``all_reduce`` and one bare ``all_gather`` of one int32 on the same group.
-(c) ``sim``: simulated lockstep steps per second, and how wall time grows with DP and requests.
+(c) ``sim``: simulated lockstep steps per CPU second at DP 8/64/256, and the wall time of two
+    policies run one after the other vs in parallel processes (``--jobs``).
 (d) ``instructions`` (not in the default set: ~15 min under valgrind): instructions executed by
     the same ``schedule()`` steps as (a), counted by callgrind; exact where (a) is noisy. See
     ``benchmarks/instructions.py``.
@@ -235,29 +236,48 @@ def bench_gather(iters: int) -> list[dict]:
 
 
 # -- (c) simulator throughput ------------------------------------------------------------------
-SIM_CASES = ((8, 300), (8, 600), (64, 300), (64, 600))
+SIM_REQUESTS_PER_RANK = 16  # the same work per rank at every DP: steps stay comparable
+SIM_POLICIES = ("off", "on")
 
 
-def bench_sim() -> list[dict]:
-    from vllm_balance.sim.runner import SimOptions, build_workload, run_policy
+def bench_sim(dp_sizes: tuple[int, ...] = DP_SIZES) -> list[dict]:
+    """Both policies at each DP, once in this process one after the other, once in parallel.
 
+    The default scenario's load (dp x max_num_seqs in flight) with ``SIM_REQUESTS_PER_RANK``
+    requests per rank. Per run: simulated steps, its own CPU seconds and steps per CPU second
+    (what DP costs, independent of other load on the machine); per DP: the wall time of the
+    serial and the parallel pass (what --jobs buys on this machine at this moment).
+    """
+    from vllm_balance.sim.parallel import Job, available_cores, run_jobs
+    from vllm_balance.sim.runner import SimOptions
+
+    processes = min(available_cores(), len(SIM_POLICIES))
     rows = []
-    for dp, requests in SIM_CASES:
-        options = SimOptions(dp_size=dp, num_requests=requests, policies=("on",))
-        workload = build_workload(options)
-        run = run_policy(options, "on", workload)
-        steps = run.summary.steps
+    for dp in dp_sizes:
+        options = SimOptions(dp_size=dp, num_requests=SIM_REQUESTS_PER_RANK * dp)
+        jobs = [Job(options, policy, keep_record=False) for policy in SIM_POLICIES]
+        walls = {}
+        for label, count in (("serial", 1), ("parallel", processes)):
+            start = time.perf_counter()
+            runs = run_jobs(jobs, count)
+            walls[label] = time.perf_counter() - start
+        steps = sum(run.summary.steps for run in runs)
+        cpu = sum(run.cpu_s for run in runs)
         rows.append(
             {
                 "dp": dp,
-                "requests": requests,
+                "requests": options.num_requests,
                 "steps": steps,
-                "wall_s": round(run.wall_s, 2),
-                "steps_per_s": round(steps / run.wall_s, 1),
-                "rank_steps_per_s": round(steps * dp / run.wall_s, 1),
+                "cpu_s": round(cpu, 1),
+                "steps_per_cpu_s": round(steps / cpu, 1),
+                "rank_steps_per_cpu_s": round(steps * dp / cpu, 1),
+                "serial_wall_s": round(walls["serial"], 1),
+                "parallel_wall_s": round(walls["parallel"], 1),
+                "processes": processes,
+                "load_average": round(os.getloadavg()[0], 1),
             }
         )
-        print(f"  sim DP={dp} requests={requests} done", file=sys.stderr)
+        print(f"  sim DP={dp} done", file=sys.stderr)
     return rows
 
 
@@ -295,12 +315,17 @@ def markdown(results: dict) -> str:
         out.append("")
     if "sim" in results:
         out += [
-            "| DP | requests | steps | wall s | steps/s | rank-steps/s |",
-            "|---|---|---|---|---|---|",
+            f"Policies {', '.join(SIM_POLICIES)}, {SIM_REQUESTS_PER_RANK} requests per rank; "
+            "steps and CPU seconds summed over both runs:",
+            "",
+            "| DP | requests | steps | CPU s | steps/CPU s | rank-steps/CPU s | wall, one "
+            "process | wall, parallel | load average |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         out += [
-            f"| {x['dp']} | {x['requests']} | {x['steps']} | {x['wall_s']} | "
-            f"{x['steps_per_s']} | {x['rank_steps_per_s']} |"
+            f"| {x['dp']} | {x['requests']} | {x['steps']} | {x['cpu_s']} | "
+            f"{x['steps_per_cpu_s']} | {x['rank_steps_per_cpu_s']} | {x['serial_wall_s']} s | "
+            f"{x['parallel_wall_s']} s ({x['processes']} processes) | {x['load_average']} |"
             for x in results["sim"]
         ]
     if "instructions" in results:

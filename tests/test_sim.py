@@ -12,12 +12,14 @@ Every run here drives the installed vLLM's real schedulers on a tiny scenario (D
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 
 import pytest
 
 from vllm_balance.sim.runner import SimOptions, build_workload, run_policy
-from vllm_balance.sim.workload import TraceError, load_trace
+from vllm_balance.sim.stepmodel import RankWork, StepTimeModel
+from vllm_balance.sim.workload import Arrival, TraceError, load_trace
 
 ALL_POLICIES = ("off", "on", "cap-1", "vllm-cadence:2", "trtllm-adp:50:10", "bounded-hold:3")
 
@@ -31,6 +33,16 @@ TINY = SimOptions(
     output_len="uniform:2:24",
     policies=ALL_POLICIES,
     seed=7,
+    # The step model before issue 16 (every rank's work its own, the gather free): the
+    # byte-for-byte test below pins that these keys at 0 reproduce the numbers of that model.
+    step_model=StepTimeModel(shared_fraction=0.0, gather_ms=0.0),
+)
+
+# sha256 of TINY's "policies" section (json.dumps(indent=1, sort_keys=True)) as the simulator
+# wrote it before shared_fraction and gather_ms existed (commit e13c59c); the same at vLLM
+# 0.24.0 and 0.25.0, compat and shim path.
+PRE_SHARED_FRACTION_POLICIES_SHA256 = (
+    "6f6042a84bf9fcce5287e771f029dcbacb828d3363d9379f0c6c73b48dcc5b8a"
 )
 
 
@@ -56,6 +68,24 @@ def test_same_seed_gives_byte_identical_json(tiny_runs, tmp_path):
     assert (tmp_path / "sim.json").read_bytes() == (first_dir / "sim.json").read_bytes()
 
 
+def test_shared_fraction_0_and_free_gather_reproduce_the_earlier_numbers_byte_for_byte(tiny_runs):
+    out, _ = tiny_runs
+    policies = json.loads((out / "sim.json").read_text())["policies"]
+    text = json.dumps(policies, indent=1, sort_keys=True)
+    assert hashlib.sha256(text.encode()).hexdigest() == PRE_SHARED_FRACTION_POLICIES_SHA256
+
+
+def test_runs_in_parallel_processes_give_the_same_json_as_in_this_process(tiny_runs, tmp_path):
+    from vllm_balance.sim.__main__ import simulate
+
+    first_dir, _ = tiny_runs
+    two = dataclasses.replace(TINY, policies=("off", "on"))
+    simulate(two, tmp_path, plots=False, progress=False, jobs=2)
+    parallel = json.loads((tmp_path / "sim.json").read_text())["policies"]
+    serial = json.loads((first_dir / "sim.json").read_text())["policies"]
+    assert parallel == {policy: serial[policy] for policy in ("off", "on")}
+
+
 def test_json_holds_every_policy_and_no_wall_clock(tiny_runs):
     out, _ = tiny_runs
     document = json.loads((out / "sim.json").read_text())
@@ -79,7 +109,7 @@ def test_pngs_open_and_the_running_plot_has_one_line_per_rank(tiny_runs):
         with Image.open(out / name) as image:
             image.verify()
             assert image.size[0] > 300 and image.size[1] > 200
-    figure = running_figure([(run.cluster, run.summary) for run in runs])
+    figure = running_figure([(run.record, run.summary) for run in runs])
     assert len(figure.axes) == len(ALL_POLICIES)
     for ax in figure.axes:
         rank_lines = [line for line in ax.get_lines() if line.get_label().startswith("rank ")]
@@ -127,14 +157,14 @@ def test_cli_reports_a_bad_trace_without_traceback(tmp_path, capsys):
 
 def _leader_was_at_cap(run) -> list[bool]:
     """Per step: some rank ended the previous step at the cap (a wave starts with none running)."""
-    previous_running = [[0] * TINY.dp_size] + run.cluster.log.running[:-1]
+    previous_running = [[0] * TINY.dp_size] + run.record.log.running[:-1]
     return [max(row) == TINY.max_num_seqs for row in previous_running]
 
 
 def _admissions_while_leader_at_cap(run) -> tuple[int, int]:
     """(steps whose gate input had a rank at the cap, admissions made on those steps)."""
     at_cap = [i for i, flag in enumerate(_leader_was_at_cap(run)) if flag]
-    return len(at_cap), sum(sum(run.cluster.log.admitted[i]) for i in at_cap)
+    return len(at_cap), sum(sum(run.record.log.admitted[i]) for i in at_cap)
 
 
 def test_contract_gate_never_admits_while_some_rank_was_at_the_cap(tiny_runs):
@@ -152,10 +182,10 @@ def test_gate_freezes_exactly_the_steps_after_some_rank_ended_at_the_cap(tiny_ru
     by_policy = {run.summary.policy: run for run in runs}
     # held: some scheduling rank's own admission_frozen, decided from what the sim gathered.
     on = by_policy["on"]
-    assert on.cluster.log.held == _leader_was_at_cap(on)
+    assert on.record.log.held == _leader_was_at_cap(on)
     # Negative control: the reverted cap-1 gate also freezes one request below the cap.
     cap_minus_one = by_policy["cap-1"]
-    assert cap_minus_one.cluster.log.held != _leader_was_at_cap(cap_minus_one)
+    assert cap_minus_one.record.log.held != _leader_was_at_cap(cap_minus_one)
 
 
 def test_same_arrivals_for_every_policy(tiny_workload):
@@ -174,9 +204,9 @@ def test_run_policy_rejects_unknown_policy(tiny_workload):
 def test_product_counters_match_the_simulators_accounting(tiny_runs, policy):
     """The schedulers' own BalanceStats agree with what the simulator logged on the same run."""
     _, runs = tiny_runs
-    [run] = [r for r in runs if r.cluster.policy.name == policy]
-    log, schedulers = run.cluster.log, run.cluster.schedulers
-    stats = [s.balance_stats for s in schedulers]
+    [run] = [r for r in runs if r.record.policy == policy]
+    log, stats = run.record.log, run.record.balance_stats
+    assert len(stats) == TINY.dp_size
     # The product's own reduction of the gathered vectors, against the logged running counts.
     largest_gap = max(max(row) - min(row) for row in log.running)
     assert all(s.largest_gap == largest_gap for s in stats)
@@ -187,3 +217,82 @@ def test_product_counters_match_the_simulators_accounting(tiny_runs, policy):
     # The simulator's "held" step is one where some scheduling rank was frozen.
     held_steps = sum(log.held)
     assert max(s.frozen_steps for s in stats) <= held_steps <= sum(s.frozen_steps for s in stats)
+
+
+# --- step-time model: shared expert work and the gather's own cost ----------------------------
+
+
+def test_shared_fraction_moves_a_bursts_share_from_its_rank_to_all_ranks():
+    burst = [RankWork(prefill_tokens=1000), RankWork(), RankWork(), RankWork()]
+    per_rank, shared, half = (
+        StepTimeModel(shared_fraction=f).step_time_ms(burst) for f in (0.0, 1.0, 0.5)
+    )
+    assert per_rank == pytest.approx(20.0 + 0.11 * 1000)  # the bursting rank stalls everyone
+    assert shared == pytest.approx(20.0 + 0.11 * 1000 / 4)  # its expert work is spread over 4
+    assert half == pytest.approx(20.0 + 0.11 * 500 + 0.11 * 500 / 4)
+    # Evenly spread work costs the same whatever the fraction: sharing only moves imbalance.
+    even = [RankWork(prefill_tokens=250, decode_requests=8, kv_tokens=100)] * 4
+    assert (
+        len({round(StepTimeModel(shared_fraction=f).step_time_ms(even), 9) for f in (0, 0.5, 1)})
+        == 1
+    )
+
+
+def _simultaneous_run(policy: str, gather_ms: float):
+    """A DP=2 cluster where every request arrives at t=0: decisions cannot depend on time."""
+    from vllm_balance.sim.engine import Cluster
+    from vllm_balance.sim.policies import make_policy
+    from vllm_balance.sim.router import make_router
+    from vllm_balance.sim.runner import cluster_config
+
+    options = dataclasses.replace(TINY, dp_size=2, max_num_seqs=2)
+    arrivals = [Arrival(i, 0.0, 40, 5) for i in range(8)]
+    cluster = Cluster(
+        cluster_config(options, arrivals),
+        make_policy(policy),
+        make_router("least-loaded", 2, "stale+bump", 0.1),
+        StepTimeModel(gather_ms=gather_ms),
+        arrivals,
+    )
+    return cluster.run().log
+
+
+@pytest.mark.parametrize("policy, charged", [("on", True), ("off", False)])
+def test_the_gather_costs_gather_ms_per_step_only_where_balance_gathers(policy, charged):
+    free, paid = _simultaneous_run(policy, 0.0), _simultaneous_run(policy, 5.0)
+    assert paid.running == free.running and len(free.time_s) > 5
+    extra = [p - f for p, f in zip(paid.time_s, free.time_s)]
+    expected = [0.005 * (step + 1) if charged else 0.0 for step in range(len(extra))]
+    assert extra == pytest.approx(expected)
+
+
+# A small DP MoE cluster with the default scenario's prompt lengths, at 1.4x the load its
+# running caps hold: ranks reach the cap and the gate acts (~50% of steps frozen).
+LOADED = SimOptions(
+    dp_size=4,
+    max_num_seqs=8,
+    max_num_batched_tokens=2048,
+    num_requests=160,
+    concurrency=round(1.4 * 4 * 8),
+    prompt_len="uniform:128:1024",
+    output_len="uniform:8:40",
+    seed=0,
+)
+
+
+def _off_and_on(shared_fraction: float) -> dict:
+    options = dataclasses.replace(LOADED, step_model=StepTimeModel(shared_fraction=shared_fraction))
+    workload = build_workload(options)
+    return {p: run_policy(options, p, workload).summary for p in ("off", "on")}
+
+
+def test_with_expert_work_fully_shared_the_gate_delays_first_tokens_at_high_load():
+    """Issue 16: where a rank's prefill stalls only a 1/DP share of the others, holding
+    admission buys nothing back and the held requests wait: ``on`` worsens TTFT."""
+    shared = _off_and_on(1.0)
+    assert shared["on"].ttft_p50_ms > shared["off"].ttft_p50_ms
+    assert shared["on"].ttft_p99_ms > shared["off"].ttft_p99_ms
+    # The same load with every rank's work its own: the gate shortens the TTFT tail. Without
+    # this the test could not tell the sharing from a gate that always delays.
+    own = _off_and_on(0.0)
+    assert own["on"].ttft_p99_ms < own["off"].ttft_p99_ms

@@ -67,8 +67,8 @@ class Route:
 ARGPARSE = "arguments parse with the script's own argparse (`build_parser()`)"
 NOX_NAMES = "session names exist in noxfile.py"
 SIM_ARGS = (
-    "arguments parse with `vllm_balance.sim`'s argparse; each `--policies` entry with "
-    "`make_policy()`"
+    "arguments parse with `vllm_balance.sim`'s argparse (which checks each `--policies` entry "
+    "with `make_policy()` and loads a `--step-model` file)"
 )
 REGISTRY: tuple[Route, ...] = (
     Route(
@@ -206,9 +206,9 @@ REGISTRY: tuple[Route, ...] = (
         SIM_ARGS,
     ),
     Route(
-        r"vllm-balance-sim",
+        r"vllm-balance-sim( advise| envelope)?",
         ON_DEMAND,
-        "`nox -s sim` runs the same `main()` as `python -m vllm_balance.sim`",
+        "`nox -s sim` runs the same `main()` as `python -m vllm_balance.sim` (commands after `--`)",
         "pyproject.toml's console script points at `vllm_balance.sim.__main__:main`",
     ),
     Route(

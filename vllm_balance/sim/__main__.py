@@ -1,8 +1,12 @@
 """``vllm-balance-sim`` / ``python -m vllm_balance.sim``: compare DP admission policies.
 
-Runs N DP ranks of the installed vLLM's real scheduler in one process, replays one workload
-under each policy, prints a table and writes ``sim.json`` and PNG plots to ``--out``.
-See docs/sim.md for the model and every option.
+Runs N DP ranks of the installed vLLM's real scheduler, replays one workload under each policy
+(one process per core), prints a table and writes ``sim.json`` and PNG plots to ``--out``.
+``vllm-balance-sim advise ...`` recommends whether to enable balance for a deployment;
+``vllm-balance-sim envelope ...`` sweeps load x shared_fraction. See docs/sim.md.
+
+Every bad input ends the program with one line on stderr and exit status 2, before any
+simulation starts; nothing a user types reaches them as a traceback.
 """
 
 from __future__ import annotations
@@ -10,63 +14,303 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from vllm_balance.sim.policies import DEFAULT_POLICIES
+from vllm_balance.sim.policies import DEFAULT_POLICIES, make_policy
 from vllm_balance.sim.router import STALENESS_MODES
 from vllm_balance.sim.runner import SimOptions, quiet_vllm_logs, show_balance_log_lines
 from vllm_balance.sim.stepmodel import StepModelError, StepTimeModel, load_step_model
-from vllm_balance.sim.workload import WorkloadError
+from vllm_balance.sim.workload import LengthDist, WorkloadError
 
 DEFAULTS = SimOptions()
+PROG = "vllm-balance-sim"
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the full usage is 40 lines: ``--help``)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class CommandParser(OneLineErrorParser):
+    """The run options, or a command's parser when the first argument names one.
+
+    Not argparse sub-commands: with those, a mistyped option such as ``--dps 8`` is reported
+    as "invalid choice: '8'" (its value taken for a command) instead of the option itself.
+    """
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        args = list(sys.argv[1:] if args is None else args)
+        if args and args[0] in self.commands:
+            parsed, extras = self.commands[args[0]].parse_known_args(args[1:], namespace)
+            parsed.command = args[0]
+            return parsed, extras
+        parsed, extras = super().parse_known_args(args, namespace)
+        parsed.command = None
+        return parsed, extras
+
+
+# -- argument types: each rejects a bad value with a message argparse prints on one line ------
+def _number(cast: Callable[[str], float], minimum: float, text: str, what: str):
+    try:
+        value = cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not value >= minimum or value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return int(_number(int, 1, text, "an integer >= 1"))
+
+
+def non_negative_int(text: str) -> int:
+    return int(_number(int, 0, text, "an integer >= 0"))
+
+
+def positive_float(text: str) -> float:
+    value = _number(float, 0, text, "a number > 0")
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    return _number(float, 0, text, "a number >= 0")
+
+
+def _list_of(item: Callable[[str], float]) -> Callable[[str], tuple]:
+    def parse(text: str) -> tuple:
+        parts = [part.strip() for part in text.split(",") if part.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        return tuple(item(part) for part in parts)
+
+    return parse
+
+
+def fraction(text: str) -> float:
+    value = _number(float, 0, text, "a number between 0 and 1")
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
+    return value
+
+
+def length_dist(text: str) -> str:
+    try:
+        LengthDist.parse(text)
+    except WorkloadError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def policy_list(text: str) -> tuple[str, ...]:
+    specs = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not specs:
+        raise argparse.ArgumentTypeError(f"expected comma-separated policies, got {text!r}")
+    for spec in specs:
+        try:
+            make_policy(spec)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return specs
+
+
+POLICY_HELP = (
+    "comma-separated: off, on, cap-1, vllm-cadence[:N], trtllm-adp[:T[:W]], bounded-hold:K "
+    "(docs/sim.md, Policies)"
+)
+
+
+# -- options ----------------------------------------------------------------------------------
+def add_scenario_options(p: argparse.ArgumentParser) -> None:
+    """The deployment and its workload: shared by run, advise and envelope."""
+    add = p.add_argument
+    add(
+        "--dp",
+        type=positive_int,
+        default=DEFAULTS.dp_size,
+        help="data-parallel ranks (%(default)s)",
+    )
+    add(
+        "--max-num-seqs",
+        type=positive_int,
+        default=DEFAULTS.max_num_seqs,
+        help="per-rank running cap, vLLM's max_num_seqs (%(default)s)",
+    )
+    add(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=DEFAULTS.max_num_batched_tokens,
+        help="per-rank token budget of one step (%(default)s)",
+    )
+    add(
+        "--num-requests",
+        type=positive_int,
+        default=DEFAULTS.num_requests,
+        help="requests generated per run, ignored with --trace (%(default)s)",
+    )
+    add(
+        "--concurrency",
+        type=positive_int,
+        help="target requests in flight; the arrival rate follows from it (default: dp x "
+        "max-num-seqs)",
+    )
+    add("--rate", type=positive_float, help="arrivals per second; overrides --concurrency")
+    add(
+        "--arrivals",
+        choices=("poisson", "bursty"),
+        default=DEFAULTS.arrivals,
+        help="arrival process (%(default)s)",
+    )
+    add(
+        "--burstiness",
+        type=positive_float,
+        default=DEFAULTS.burstiness,
+        help="gamma shape of --arrivals bursty; 1 = Poisson, lower = burstier (%(default)s)",
+    )
+    add(
+        "--prompt-len",
+        type=length_dist,
+        default=DEFAULTS.prompt_len,
+        help="prompt tokens: fixed:N | uniform:LO:HI | longtail:MEAN[:SIGMA] (%(default)s)",
+    )
+    add(
+        "--output-len",
+        type=length_dist,
+        default=DEFAULTS.output_len,
+        help="output tokens, same forms as --prompt-len (%(default)s)",
+    )
+    add(
+        "--trace",
+        help="JSONL, one request per line: arrival_time (s), prompt_len, output_len; replaces "
+        "the generated workload",
+    )
+    add(
+        "--router",
+        choices=("least-loaded", "round-robin"),
+        default=DEFAULTS.router,
+        help="how requests pick a rank (%(default)s)",
+    )
+    add(
+        "--staleness",
+        choices=STALENESS_MODES,
+        default=DEFAULTS.staleness,
+        help="what least-loaded sees: live counts, the snapshot, or the snapshot plus the "
+        "client's bump (%(default)s)",
+    )
+    add(
+        "--snapshot-interval-ms",
+        type=non_negative_float,
+        default=DEFAULTS.snapshot_interval_ms,
+        help="how often the router's load snapshot refreshes (%(default)s)",
+    )
+    add(
+        "--num-gpu-blocks",
+        type=positive_int,
+        help="KV blocks per rank (default: enough that nothing is preempted)",
+    )
+    add(
+        "--step-model",
+        help="JSON/TOML file overriding step-time model keys, e.g. shared_fraction, gather_ms "
+        "(docs/sim.md)",
+    )
+    add(
+        "--jobs",
+        type=positive_int,
+        help="parallel processes, one policy run each (default: one per available core)",
+    )
+    add("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vllm-balance-sim",
-        description="DP balance scheduling simulator on the installed vLLM's real scheduler.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = CommandParser(
+        prog=PROG,
+        usage=f"{PROG} [options]\n       {PROG} advise [options]\n       {PROG} envelope [options]",
+        description="DP balance scheduling simulator on the installed vLLM's real scheduler. "
+        "Without a command: run the policies on one scenario and write sim.json and plots.",
+        epilog=f"Commands: '{PROG} advise [options]' recommends whether to enable balance for "
+        f"your deployment; '{PROG} envelope [options]' sweeps load x shared_fraction. Each has "
+        "--help. Docs: docs/sim.md.",
     )
+    add_scenario_options(p)
     add = p.add_argument
-    add("--dp", type=int, default=DEFAULTS.dp_size, help="data-parallel ranks")
-    add("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs, help="per-rank running cap")
-    add("--max-num-batched-tokens", type=int, default=DEFAULTS.max_num_batched_tokens)
-    add("--num-requests", type=int, default=DEFAULTS.num_requests)
-    add("--concurrency", type=int, help="target in-flight requests (default dp * max-num-seqs)")
-    add("--rate", type=float, help="arrivals per second (overrides --concurrency)")
-    add("--arrivals", choices=("poisson", "bursty"), default=DEFAULTS.arrivals)
-    add("--burstiness", type=float, default=DEFAULTS.burstiness, help="gamma shape for bursty")
-    add(
-        "--prompt-len", default=DEFAULTS.prompt_len, help="fixed:N | uniform:LO:HI | longtail:M[:S]"
-    )
-    add("--output-len", default=DEFAULTS.output_len, help="same forms as --prompt-len")
-    add("--trace", help="JSONL: arrival_time (s), prompt_len, output_len per line")
-    add("--router", choices=("least-loaded", "round-robin"), default=DEFAULTS.router)
-    add("--staleness", choices=STALENESS_MODES, default=DEFAULTS.staleness)
-    add("--snapshot-interval-ms", type=float, default=DEFAULTS.snapshot_interval_ms)
     add(
         "--policies",
-        default=",".join(DEFAULT_POLICIES),
-        help="comma-separated: off, on, cap-1, vllm-cadence[:N], trtllm-adp[:T[:W]], "
-        "bounded-hold:K",
+        type=policy_list,
+        default=DEFAULT_POLICIES,
+        help=f"{POLICY_HELP} (default: {','.join(DEFAULT_POLICIES)})",
     )
-    add("--seed", type=int, default=DEFAULTS.seed)
-    add("--num-gpu-blocks", type=int, help="KV blocks per rank (default: never preempts)")
-    add("--step-model", help="JSON/TOML file overriding step-time model keys")
-    add("--out", default="out/sim", help="directory for sim.json and the PNGs")
+    add("--seed", type=non_negative_int, default=DEFAULTS.seed, help="workload seed (%(default)s)")
+    add("--out", default="out/sim", help="directory for sim.json and the PNGs (%(default)s)")
     add(
         "--balance-log-interval-s",
-        type=float,
+        type=non_negative_float,
         default=0.0,
-        help="print the product's per-rank 'Balance DPn' log line every N wall seconds (0 = off)",
+        help="print the product's per-rank 'Balance DPn' log line every N wall seconds "
+        "(0 = never, the default)",
     )
-    add("--no-plots", action="store_true")
-    add("--no-progress", action="store_true")
+    add("--no-plots", action="store_true", help="write sim.json only")
+
+    advise = OneLineErrorParser(
+        prog=f"{PROG} advise",
+        description="Simulate off, on and the bounded hold over several seeds on your scenario "
+        "and recommend whether to enable balance scheduling, with the predicted change and its "
+        "spread; says when the scenario is outside what the simulator can judge.",
+    )
+    add_scenario_options(advise)
+    advise.add_argument(
+        "--seeds",
+        type=_list_of(non_negative_int),
+        default=(0, 1, 2),
+        help="workload seeds, at least 2 (default: 0,1,2)",
+    )
+    advise.add_argument(
+        "--hold-steps",
+        type=positive_int,
+        default=8,
+        help="the bounded hold to try, balance_max_frozen_steps (%(default)s)",
+    )
+    envelope = OneLineErrorParser(
+        prog=f"{PROG} envelope",
+        description="Run every policy and off at each load (a multiple of dp x max-num-seqs in "
+        "flight) and shared_fraction over several seeds; write envelope.json, envelope.md and "
+        "envelope.png to --out.",
+    )
+    add_scenario_options(envelope)
+    envelope.add_argument(
+        "--loads",
+        type=_list_of(positive_float),
+        default=(0.6, 0.8, 1.0, 1.2, 1.4, 1.6),
+        help="concurrency as a multiple of dp x max-num-seqs (default: 0.6,0.8,1.0,1.2,1.4,1.6)",
+    )
+    envelope.add_argument(
+        "--shared-fractions",
+        type=_list_of(fraction),
+        default=(0.0, 0.25, 0.5, 0.75, 1.0),
+        help="step-model shared_fraction values (default: 0,0.25,0.5,0.75,1)",
+    )
+    envelope.add_argument(
+        "--policies",
+        type=policy_list,
+        default=("on", "cap-1", "bounded-hold:8", "vllm-cadence:2"),
+        help=POLICY_HELP + "; each is compared with off (default: on,cap-1,bounded-hold:8,"
+        "vllm-cadence:2)",
+    )
+    envelope.add_argument(
+        "--seeds", type=_list_of(non_negative_int), default=(0, 1, 2), help="default: 0,1,2"
+    )
+    envelope.add_argument("--out", default="out/envelope", help="output directory (%(default)s)")
+    p.commands = {"advise": advise, "envelope": envelope}
     return p
 
 
-def options_from_args(args: argparse.Namespace) -> SimOptions:
-    step_model = load_step_model(args.step_model) if args.step_model else StepTimeModel()
+def options_from_args(args: argparse.Namespace, policies=(), seed: int = 0) -> SimOptions:
     return SimOptions(
         dp_size=args.dp,
         max_num_seqs=args.max_num_seqs,
@@ -82,66 +326,99 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         router=args.router,
         staleness=args.staleness,
         snapshot_interval_ms=args.snapshot_interval_ms,
-        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
-        seed=args.seed,
+        policies=tuple(policies),
+        seed=seed,
         num_gpu_blocks=args.num_gpu_blocks,
-        step_model=step_model,
+        step_model=args.step_model or StepTimeModel(),
     )
 
 
-def simulate(options: SimOptions, out_dir: Path, plots: bool = True, progress: bool = True):
+def simulate(
+    options: SimOptions,
+    out_dir: Path,
+    plots: bool = True,
+    progress: bool = True,
+    jobs: int = 1,
+    log_interval_s: float = 0.0,
+):
     """Run every policy on one workload; write sim.json (+ PNGs). Returns the PolicyRuns."""
-    from tqdm import tqdm
-
-    from vllm_balance.sim.policies import make_policy
+    from vllm_balance.sim.parallel import Job, cached_workload, run_jobs
     from vllm_balance.sim.report import format_table, write_json, write_plots
-    from vllm_balance.sim.runner import build_workload, run_policy, scenario_json
+    from vllm_balance.sim.runner import scenario_json, scenario_title
 
     for spec in options.policies:
         make_policy(spec)  # reject a bad spec before minutes of simulation
-    workload = build_workload(options)
+    workload = cached_workload(options)
     out_dir.mkdir(parents=True, exist_ok=True)
-    total = len(workload.arrivals) * len(options.policies)
-    bar = tqdm(total=total, unit="req", disable=not progress or None, file=sys.stderr)
-    runs = []
-    for spec in options.policies:
-        bar.set_description(spec)
-        seen = [0]
-
-        def on_step(cluster, seen=seen):
-            bar.update(cluster.completed - seen[0])
-            seen[0] = cluster.completed
-
-        runs.append(run_policy(options, spec, workload, on_step))
-    bar.close()
-    pairs = [(run.cluster, run.summary) for run in runs]
+    runs = run_jobs(
+        [Job(options, spec) for spec in options.policies], jobs, progress, log_interval_s
+    )
+    pairs = [(run.record, run.summary) for run in runs]
     write_json(out_dir / "sim.json", scenario_json(options, workload), pairs)
     if plots:
-        write_plots(out_dir, pairs)
+        write_plots(out_dir, pairs, scenario_title(options, workload))
     print(format_table([run.summary for run in runs]))
     return runs
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    quiet_vllm_logs()
-    if args.balance_log_interval_s:
-        show_balance_log_lines(args.balance_log_interval_s)
-    try:
-        options = options_from_args(args)
-        start = time.perf_counter()
-        runs = simulate(options, Path(args.out), not args.no_plots, not args.no_progress)
-    except (WorkloadError, StepModelError, ValueError) as exc:
-        print(f"vllm-balance-sim: error: {exc}", file=sys.stderr)
-        return 2
+def _run(args: argparse.Namespace, jobs: int) -> int:
+    options = options_from_args(args, args.policies, args.seed)
+    start = time.perf_counter()
+    runs = simulate(
+        options,
+        Path(args.out),
+        not args.no_plots,
+        not args.no_progress,
+        jobs,
+        args.balance_log_interval_s,
+    )
     steps = sum(run.summary.steps for run in runs)
-    sim_wall = sum(run.wall_s for run in runs)
+    sim_cpu = sum(run.wall_s for run in runs)
+    wall = time.perf_counter() - start
+    processes = min(jobs, len(runs))
     print(
-        f"\n{steps} simulated steps in {sim_wall:.1f} s ({steps / sim_wall:.0f} steps/s, DP="
-        f"{options.dp_size}); total {time.perf_counter() - start:.1f} s. "
-        f"Wrote {Path(args.out) / 'sim.json'}" + ("" if args.no_plots else " and PNGs")
+        f"\n{steps} simulated steps (DP={options.dp_size}, {len(runs)} policies, {processes} "
+        f"process{'es' if processes > 1 else ''}): the runs took {sim_cpu:.1f} s "
+        f"({steps / sim_cpu:.0f} steps/s each), {wall:.1f} s wall in all. Wrote "
+        f"{Path(args.out) / 'sim.json'}" + ("" if args.no_plots else " and PNGs")
     )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "advise" and len(args.seeds) < 2:
+        parser.error("advise --seeds: at least 2 seeds, to state a spread")
+    # Files are checked here, not by argparse types, so that parsing stays a pure syntax check
+    # (docs/commands.md parses the documented command lines, whose files do not exist).
+    if args.trace and not Path(args.trace).is_file():
+        parser.error(f"argument --trace: no such file: {args.trace!r}")
+    try:
+        args.step_model = load_step_model(args.step_model) if args.step_model else None
+    except StepModelError as exc:
+        parser.error(f"argument --step-model: {exc}")
+    if args.command == "envelope" and (args.trace or args.rate or args.concurrency):
+        parser.error("envelope sets the load itself (--loads): drop --trace, --rate, --concurrency")
+    quiet_vllm_logs()
+    if getattr(args, "balance_log_interval_s", 0.0):
+        show_balance_log_lines(args.balance_log_interval_s)
+    from vllm_balance.sim.parallel import available_cores
+
+    jobs = args.jobs or available_cores()
+    try:
+        if args.command == "advise":
+            from vllm_balance.sim.advise import advise
+
+            return advise(args, options_from_args(args), jobs)
+        if args.command == "envelope":
+            from vllm_balance.sim.envelope import envelope
+
+            return envelope(args, options_from_args(args), jobs)
+        return _run(args, jobs)
+    except (WorkloadError, StepModelError, ValueError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

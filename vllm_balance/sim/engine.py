@@ -7,11 +7,12 @@ One iteration of :meth:`Cluster.step` is one engine step on every rank:
 2. the policy makes its cluster-wide decisions (throttle flag, hold);
 3. each rank with requests calls its real ``schedule()``; a rank without requests runs a dummy
    batch (it still joins the MoE collectives);
-4. the step lasts as long as the slowest rank (:mod:`.stepmodel`);
+4. the step lasts as long as the slowest rank, plus the cluster-shared expert work
+   (:mod:`.stepmodel`);
 5. each rank feeds a fabricated forward result to its real ``update_from_output()``;
 6. the gather: every rank's ``balance_queue`` receives all ranks' ``len(running)``, exactly the
    vector the engine core's ``all_gather`` would deliver after this step, consumed by the gate
-   at the next ``schedule()``.
+   at the next ``schedule()``. The gather's own time (``gather_ms``) delays the next step.
 
 When every rank is idle the cluster skips ahead to the next arrival without a step (and without
 a gather, contract 3), and a new wave starts (vLLM resets ``step_counter``).
@@ -24,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from vllm_balance.factories import (
     RequestSpec,
     make_request,
@@ -33,7 +36,7 @@ from vllm_balance.factories import (
 )
 from vllm_balance.sim.policies import Policy
 from vllm_balance.sim.router import Counts
-from vllm_balance.sim.stepmodel import StepTimeModel
+from vllm_balance.sim.stepmodel import RankWork, StepTimeModel
 from vllm_balance.sim.workload import Arrival, prompt_token_ids
 
 
@@ -68,10 +71,26 @@ class StepLog:
     held: list[bool] = field(default_factory=list)
 
 
-def _step_cost(model: StepTimeModel, scheduler: Any, output: Any) -> float:
-    """Model time of one rank's forward for what ``schedule()`` returned (ms)."""
+@dataclass
+class RunRecord:
+    """What one policy run leaves behind, as plain data: it crosses process boundaries.
+
+    ``balance_stats`` holds each rank's product counters (``BalanceStats``) when the ranks ran
+    the product's class with balance enabled, else it is empty.
+    """
+
+    policy: str
+    config: ClusterConfig
+    now_s: float
+    requests: dict[str, RequestRecord]
+    log: StepLog
+    balance_stats: list[Any]
+
+
+def _rank_work(scheduler: Any, output: Any) -> RankWork:
+    """What one rank's forward does for what ``schedule()`` returned (a dummy batch: nothing)."""
     if output is None:
-        return model.fixed_ms  # dummy batch
+        return RankWork()
     prefill_tokens = decode_requests = kv_tokens = 0
     for req_id, num_tokens in output.num_scheduled_tokens.items():
         request = scheduler.requests[req_id]
@@ -81,7 +100,25 @@ def _step_cost(model: StepTimeModel, scheduler: Any, output: Any) -> float:
         else:
             decode_requests += 1
             kv_tokens += request.num_computed_tokens
-    return model.rank_time_ms(prefill_tokens, decode_requests, kv_tokens)
+    return RankWork(prefill_tokens, decode_requests, kv_tokens)
+
+
+def gather_buffer(balance_queue: list) -> Any:
+    """The one buffer behind a rank's ``balance_queue``, or None if it has none.
+
+    The product's queue is consecutive one-element views of one int32 buffer (its gate reads
+    them with one reduction), so one copy into that buffer writes what ``all_gather`` writes
+    element by element. Checked once per rank when the cluster is built: DP element writes per
+    rank per step would make a DP=256 step cost DP^2 = 65k tensor ops.
+    """
+    base = balance_queue[0]._base
+    consecutive = all(
+        t._base is base and t.numel() == 1 and t.storage_offset() == i
+        for i, t in enumerate(balance_queue)
+    )
+    if base is None or not consecutive or base.shape != (len(balance_queue),):
+        return None
+    return base
 
 
 def _rank_config(vllm_config: Any, rank: int) -> Any:
@@ -121,6 +158,9 @@ class Cluster:
         cls = policy.scheduler_class()
         self.schedulers = [
             make_scheduler(cls, _rank_config(vllm_config, rank)) for rank in range(config.dp_size)
+        ]
+        self._gather_buffers = [
+            gather_buffer(s.balance_queue) if policy.balance else None for s in self.schedulers
         ]
         self.now_s = 0.0
         self.next_arrival = 0
@@ -169,9 +209,15 @@ class Cluster:
         """What ``balance_gather()``'s all_gather delivers to every rank after this step."""
         counts = self.running_counts()
         if self.policy.balance:
-            for scheduler in self.schedulers:
-                for tensor, count in zip(scheduler.balance_queue, counts):
-                    tensor.fill_(count)
+            # The collective itself takes time; the next step starts after it (contract 3).
+            self.now_s += self.step_model.gather_cost_ms(self.config.dp_size) / 1000.0
+            vector = torch.tensor(counts, dtype=torch.int32)
+            for scheduler, buffer in zip(self.schedulers, self._gather_buffers):
+                if buffer is not None and scheduler.balance_queue[0]._base is buffer:
+                    buffer.copy_(vector)
+                else:
+                    for tensor, count in zip(scheduler.balance_queue, counts):
+                        tensor.fill_(count)
                 # What balance_gather() does right after its all_gather: the product's own
                 # accounting (stats, the opt-in bounded hold) sees the same vector.
                 scheduler.observe_gathered()
@@ -202,8 +248,8 @@ class Cluster:
         outputs = [s.schedule(throttle) if s.has_requests() else None for s in self.schedulers]
         active = [s for s, out in zip(self.schedulers, outputs) if out is not None]
         held = self.policy.held(active, throttle)
-        step_ms = max(_step_cost(self.step_model, s, o) for s, o in zip(self.schedulers, outputs))
-        self.now_s += step_ms / 1000.0
+        works = [_rank_work(s, o) for s, o in zip(self.schedulers, outputs)]
+        self.now_s += self.step_model.step_time_ms(works) / 1000.0
         for scheduler, output in zip(self.schedulers, outputs):
             if output is not None:
                 runner_output = model_runner_output(output, scheduler)
@@ -216,6 +262,10 @@ class Cluster:
         self.log.gate_input.append(gate_input)
         self.log.admitted.append([_admitted(o) if o is not None else 0 for o in outputs])
         self.log.held.append(held)
+
+    def record(self) -> RunRecord:
+        stats = [s.balance_stats for s in self.schedulers if hasattr(s, "balance_stats")]
+        return RunRecord(self.policy.name, self.config, self.now_s, self.requests, self.log, stats)
 
     def run(self, on_step: Callable[[Cluster], None] | None = None, max_steps: int = 10**7):
         steps = 0

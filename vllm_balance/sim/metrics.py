@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_balance.sim.engine import Cluster
+from vllm_balance.sim.engine import RunRecord
 
 DIGITS = 6  # rounding for JSON: readable, and identical for identical runs
 
@@ -31,19 +31,17 @@ def _percentile_ms(values_s: list[float], q: float) -> float:
     return float(np.percentile(values_s, q) * 1000.0) if values_s else float("nan")
 
 
-def ttfts_s(cluster: Cluster) -> list[float]:
+def ttfts_s(run: RunRecord) -> list[float]:
     return [
-        r.first_token_s - r.arrival_s
-        for r in cluster.requests.values()
-        if r.first_token_s is not None
+        r.first_token_s - r.arrival_s for r in run.requests.values() if r.first_token_s is not None
     ]
 
 
-def tpots_s(cluster: Cluster) -> list[float]:
+def tpots_s(run: RunRecord) -> list[float]:
     """Mean time per output token after the first, per request with at least two tokens."""
     return [
         (r.last_token_s - r.first_token_s) / (r.tokens - 1)
-        for r in cluster.requests.values()
+        for r in run.requests.values()
         if r.tokens > 1 and r.first_token_s is not None and r.last_token_s is not None
     ]
 
@@ -54,15 +52,15 @@ def balance_ratio(running: list[list[int]]) -> float:
     return float(np.mean(ratios)) if ratios else 1.0
 
 
-def summarize(cluster: Cluster) -> Summary:
-    records = list(cluster.requests.values())
+def summarize(run: RunRecord) -> Summary:
+    records = list(run.requests.values())
     first_arrival = min((r.arrival_s for r in records), default=0.0)
-    makespan = cluster.now_s - first_arrival
+    makespan = run.now_s - first_arrival
     tokens = sum(r.tokens for r in records)
-    ttft, tpot = ttfts_s(cluster), tpots_s(cluster)
-    log = cluster.log
+    ttft, tpot = ttfts_s(run), tpots_s(run)
+    log = run.log
     return Summary(
-        policy=cluster.policy.name,
+        policy=run.policy,
         output_tok_per_s=round(tokens / makespan, DIGITS) if makespan > 0 else 0.0,
         ttft_p50_ms=round(_percentile_ms(ttft, 50), DIGITS),
         ttft_p99_ms=round(_percentile_ms(ttft, 99), DIGITS),

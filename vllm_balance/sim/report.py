@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_balance.sim.engine import Cluster
+from vllm_balance.sim.engine import RunRecord
 from vllm_balance.sim.metrics import DIGITS, Summary, tpots_s, ttfts_s
 
 COLUMNS = (
@@ -48,8 +48,8 @@ def _rounded(values: Sequence[float]) -> list[float]:
     return [round(v, DIGITS) for v in values]
 
 
-def policy_json(cluster: Cluster, summary: Summary) -> dict[str, Any]:
-    log = cluster.log
+def policy_json(run: RunRecord, summary: Summary) -> dict[str, Any]:
+    log = run.log
     return {
         "summary": dataclasses.asdict(summary),
         "steps": {
@@ -59,16 +59,16 @@ def policy_json(cluster: Cluster, summary: Summary) -> dict[str, Any]:
             "frozen": log.held,
         },
         "requests": {
-            "ttft_s": _rounded(ttfts_s(cluster)),
-            "tpot_s": _rounded(tpots_s(cluster)),
+            "ttft_s": _rounded(ttfts_s(run)),
+            "tpot_s": _rounded(tpots_s(run)),
         },
     }
 
 
-def write_json(path: Path, scenario: dict[str, Any], runs: Sequence[tuple[Cluster, Summary]]):
+def write_json(path: Path, scenario: dict[str, Any], runs: Sequence[tuple[RunRecord, Summary]]):
     document = {
         "scenario": scenario,
-        "policies": {summary.policy: policy_json(c, summary) for c, summary in runs},
+        "policies": {summary.policy: policy_json(run, summary) for run, summary in runs},
     }
     path.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
 
@@ -82,53 +82,116 @@ def _pyplot():
     return plt
 
 
-def running_figure(runs: Sequence[tuple[Cluster, Summary]]):
-    """One panel per policy, one line per rank: running requests over simulated time."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(
-        len(runs), 1, figsize=(10, 2.4 * len(runs)), sharex=True, squeeze=False
-    )
-    for ax, (cluster, summary) in zip(axes[:, 0], runs):
-        dp_size = cluster.config.dp_size
-        for rank in range(dp_size):
-            series = [row[rank] for row in cluster.log.running]
-            ax.plot(cluster.log.time_s, series, linewidth=0.8, label=f"rank {rank}")
-        ax.axhline(cluster.config.max_num_seqs, color="black", linestyle=":", linewidth=0.8)
-        ax.set_title(f"{summary.policy}: running per rank (dotted: max_num_seqs)", fontsize=9)
-        ax.set_ylabel("running")
-        if dp_size <= 16:
-            ax.legend(fontsize=6, ncol=8, loc="lower right")
-    axes[-1, 0].set_xlabel("simulated time (s)")
-    fig.tight_layout()
-    return fig
+# Ranks drawn one line each up to this DP; above it the panel shows min / mean / max over ranks.
+MAX_RANK_LINES = 16
 
 
-def cdf_figure(runs: Sequence[tuple[Cluster, Summary]], metric: str):
-    """CDF of TTFT or TPOT (ms), one line per policy."""
+def running_figure(runs: Sequence[tuple[RunRecord, Summary]], title: str = ""):
+    """One panel per policy: running requests per rank over simulated time, the cap drawn.
+
+    Up to :data:`MAX_RANK_LINES` ranks one line each (legend outside the axes, right); above,
+    the band between the least and the most loaded rank and the mean, which stays readable at
+    DP=256. The y axis ends above the cap so the cap line never sits on the frame.
+    """
     import numpy as np
 
     plt = _pyplot()
-    values_of = {"ttft": ttfts_s, "tpot": tpots_s}[metric]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for cluster, summary in runs:
-        values = np.sort(np.asarray(values_of(cluster)) * 1000.0)
-        if len(values):
-            ax.plot(values, np.arange(1, len(values) + 1) / len(values), label=summary.policy)
-    ax.set_xlabel(f"{metric.upper()} (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(f"{metric.upper()} CDF")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(
+        len(runs), 1, figsize=(11, 2.3 * len(runs) + 0.6), sharex=True, squeeze=False
+    )
+    for ax, (run, summary) in zip(axes[:, 0], runs):
+        dp_size, cap = run.config.dp_size, run.config.max_num_seqs
+        running = np.asarray(run.log.running).reshape(-1, dp_size)
+        if dp_size <= MAX_RANK_LINES:
+            for rank in range(dp_size):
+                ax.plot(
+                    run.log.time_s,
+                    running[:, rank],
+                    linewidth=0.7,
+                    label=f"rank {rank}",
+                    drawstyle="steps-post",
+                )
+        else:
+            ax.fill_between(
+                run.log.time_s,
+                running.min(axis=1),
+                running.max(axis=1),
+                alpha=0.3,
+                step="post",
+                label=f"min..max of {dp_size} ranks",
+            )
+            ax.plot(run.log.time_s, running.mean(axis=1), linewidth=0.8, label="mean")
+        ax.axhline(cap, color="red", linestyle="--", linewidth=1.2, label=f"cap {cap}")
+        ax.set_ylim(0, cap * 1.12)
+        ax.set_title(
+            f"{summary.policy}: frozen {summary.frozen_fraction:.1%} of steps, "
+            f"balance {summary.balance_ratio:.3f}",
+            fontsize=9,
+            loc="left",
+        )
+        ax.set_ylabel("running")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0)
+    axes[-1, 0].set_xlabel("simulated time (s)")
+    fig.suptitle(f"Running requests per rank. {title}", fontsize=10)
     fig.tight_layout()
     return fig
 
 
-def write_plots(out_dir: Path, runs: Sequence[tuple[Cluster, Summary]]) -> list[Path]:
+def cdf_figure(runs: Sequence[tuple[RunRecord, Summary]], metric: str, title: str = ""):
+    """CDF of TTFT or TPOT (ms), one line per policy; log x, and a panel for the top 10%.
+
+    A linear axis puts the bulk of requests in a corner when one policy has a long tail; the
+    right panel zooms into the fraction 0.9-1.0 where the policies differ most.
+    """
+    import numpy as np
+    from matplotlib import ticker
+
+    plt = _pyplot()
+    values_of = {"ttft": ttfts_s, "tpot": tpots_s}[metric]
+    fig, (whole, tail) = plt.subplots(1, 2, figsize=(11, 4.2))
+    tail_from, tail_to = [], []
+    for run, summary in runs:
+        values = np.sort(np.asarray(values_of(run)) * 1000.0)
+        if len(values):
+            fraction = np.arange(1, len(values) + 1) / len(values)
+            for ax in (whole, tail):
+                ax.plot(values, fraction, label=summary.policy, linewidth=1.2)
+            tail_from.append(np.percentile(values, 90))
+            tail_to.append(values[-1])
+    whole.set_xscale("log")
+    whole.set_xlabel(f"{metric.upper()} (ms, log scale)")
+    if tail_from:
+        low, high = min(tail_from) * 0.95, max(tail_to) * 1.05
+        # A tail spanning more than 10x reads better on a log axis, a narrow one on a linear one.
+        if high / low > 10:
+            tail.set_xscale("log")
+        tail.set_xlim(low, high)
+    tail.set_xlabel(f"{metric.upper()} (ms{', log scale' if tail.get_xscale() == 'log' else ''})")
+    plain = ticker.FuncFormatter(lambda value, _: f"{value:g}")
+    for ax in (whole, tail):
+        if ax.get_xscale() == "log":
+            ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(plain)
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.grid(alpha=0.3, which="both")
+    whole.set_ylabel("fraction of requests")
+    whole.set_title("all requests", fontsize=9)
+    tail.set_ylim(0.9, 1.001)
+    tail.set_title("the slowest 10%", fontsize=9)
+    tail.legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"{metric.upper()} CDF. {title}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def write_plots(
+    out_dir: Path, runs: Sequence[tuple[RunRecord, Summary]], title: str = ""
+) -> list[Path]:
     plt = _pyplot()
     figures = {
-        "running_per_rank.png": running_figure(runs),
-        "ttft_cdf.png": cdf_figure(runs, "ttft"),
-        "tpot_cdf.png": cdf_figure(runs, "tpot"),
+        "running_per_rank.png": running_figure(runs, title),
+        "ttft_cdf.png": cdf_figure(runs, "ttft", title),
+        "tpot_cdf.png": cdf_figure(runs, "tpot", title),
     }
     paths = []
     for name, fig in figures.items():

@@ -63,19 +63,65 @@ def estimated_step_s(options: SimOptions, mean_prompt: float, mean_output: float
     In steady state the cluster admits ``concurrency / output_len`` requests per step; the
     lockstep step lasts as long as the rank with the most prefill, which is about one prompt
     per step once the cluster admits one or more per step (more when admissions outnumber
-    ranks). Decode cost is every rank's share of the concurrency.
+    ranks). Decode cost is every rank's share of the concurrency. The cluster-shared part
+    (``shared_fraction``) is charged on all admissions' prefill and all decodes. The gather is
+    left out: it depends on the policy, and every policy replays the same arrivals.
     """
-    concurrency = options.target_concurrency
+    model, concurrency = options.step_model, options.target_concurrency
     admissions_per_step = concurrency / mean_output
     prompts_on_slowest_rank = max(
         min(1.0, admissions_per_step), admissions_per_step / options.dp_size
     )
-    return (
-        options.step_model.rank_time_ms(
-            int(mean_prompt * prompts_on_slowest_rank), int(concurrency / options.dp_size)
-        )
-        / 1000.0
+    slowest = model.rank_time_ms(
+        int(mean_prompt * prompts_on_slowest_rank), int(concurrency / options.dp_size)
     )
+    shared = model.shared_time_ms(
+        int(mean_prompt * admissions_per_step), int(concurrency), options.dp_size
+    )
+    return (slowest + shared) / 1000.0
+
+
+def concurrency_for_rate(
+    options: SimOptions, rate_per_s: float, mean_prompt: float, mean_output: float
+) -> float:
+    """The in-flight requests that ``rate_per_s`` sustains: ``rate_for_concurrency`` inverted.
+
+    The rate grows monotonically with the concurrency (a larger batch lengthens the step by
+    less than it adds requests), so bisection finds it.
+    """
+
+    def rate_at(concurrency: float) -> float:
+        at = dataclasses.replace(options, concurrency=concurrency)
+        step_s = estimated_step_s(at, mean_prompt, mean_output)
+        return rate_for_concurrency(concurrency, mean_output, step_s)
+
+    low, high = 0.0, float(options.dp_size * options.max_num_seqs)
+    while rate_at(high) < rate_per_s and high < 1e9:
+        high *= 2
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if rate_at(middle) < rate_per_s else (low, middle)
+    return (low + high) / 2
+
+
+def offered_load(options: SimOptions, workload: Workload) -> float:
+    """Requests in flight the workload offers, as a multiple of ``dp x max_num_seqs``.
+
+    1.0 is the rate that keeps every rank's running set at the cap by the model's estimate;
+    docs/results.md's operating envelope is drawn on this axis.
+    """
+    slots = options.dp_size * options.max_num_seqs
+    if not options.rate_per_s and not options.trace:
+        return options.target_concurrency / slots
+    arrivals = workload.arrivals
+    mean_prompt = sum(a.prompt_len for a in arrivals) / len(arrivals)
+    mean_output = sum(a.output_len for a in arrivals) / len(arrivals)
+    if workload.rate_per_s:
+        rate = workload.rate_per_s
+    else:  # a trace: its mean rate
+        span = arrivals[-1].time_s - arrivals[0].time_s
+        rate = (len(arrivals) - 1) / span if span > 0 else float("inf")
+    return concurrency_for_rate(options, rate, mean_prompt, mean_output) / slots
 
 
 def build_workload(options: SimOptions) -> Workload:
@@ -132,9 +178,10 @@ def scenario_json(options: SimOptions, workload: Workload, import_vllm: bool = T
 
 @dataclass
 class PolicyRun:
-    cluster: Any
-    summary: Any
+    record: Any  # engine.RunRecord; None where only the summary was asked for (sweeps)
+    summary: Any  # metrics.Summary
     wall_s: float  # terminal only; kept out of the JSON
+    cpu_s: float = 0.0  # this process's CPU time for the run (benchmarks: immune to other load)
 
 
 def run_policy(
@@ -156,16 +203,38 @@ def run_policy(
         options.step_model,
         workload.arrivals,
     )
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     cluster.run(on_step)
-    wall = time.perf_counter() - start
-    return PolicyRun(cluster, summarize(cluster), wall)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    record = cluster.record()
+    return PolicyRun(record, summarize(record), wall, cpu)
+
+
+def scenario_title(options: SimOptions, workload: Workload, seed: bool = True) -> str:
+    """One line naming the scenario, for plot titles."""
+    if options.trace:
+        load = f"trace {Path(options.trace).name}"
+    else:
+        load = (
+            f"{workload.rate_per_s:.1f} req/s {options.arrivals}, prompts {options.prompt_len}, "
+            f"outputs {options.output_len}"
+        )
+    return (
+        f"DP={options.dp_size}, max_num_seqs={options.max_num_seqs}, {load}, "
+        f"shared_fraction={options.step_model.shared_fraction:g}"
+        + (f", seed {options.seed}" if seed else "")
+    )
 
 
 def quiet_vllm_logs() -> None:
-    """vLLM logs INFO lines on every config; the terminal is for the progress bar and table."""
+    """vLLM logs INFO lines on every config; the terminal is for the progress bar and table.
+
+    What vLLM still logs goes to stderr (vLLM's default is stdout), so stdout carries only the
+    simulator's table or advice and can be redirected to a file as it is.
+    """
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
 def show_balance_log_lines(interval_s: float) -> None:

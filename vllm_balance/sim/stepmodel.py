@@ -27,15 +27,59 @@ per context token depends on kernels and context length that the publication doe
 These are coarse; they fix the ratio of prefill to decode cost, which is what decides how much
 an admission burst on one rank stalls everyone. Override any of them from a JSON or TOML file
 (``--step-model FILE``) with the keys of :class:`StepTimeModel`.
+
+Shared expert work (``shared_fraction``)
+----------------------------------------
+"The slowest rank decides" holds for the work a rank does on its own tokens (attention, KV
+reads, the shared expert, norms). The routed experts are different: with expert parallelism a
+rank's tokens are dispatched to the ranks that hold their experts, so a prefill burst on one rank
+becomes expert work on *all* ranks. ``shared_fraction`` (0..1) is the part of the per-token
+prefill and per-request decode cost that behaves this way: it is charged once per step as the
+cluster-wide sum divided by DP, the rest stays per rank (``fixed_ms`` and the KV term stay per
+rank), and the step is the slowest rank's own part plus the shared part::
+
+    own(r)  = fixed_ms + (1 - s) * (prefill_r + decode_r) + kv_r
+    shared  = s * sum_r(prefill_r + decode_r) / DP
+    step    = max_r own(r) + shared
+
+The larger ``s``, the less a burst on one rank stalls the others, and the less there is for the
+gate to save. Default 0: every rank's work is its own, the model every earlier result in
+docs/results.md used, and ``0`` reproduces those numbers exactly (a test pins it byte for byte).
+It is not a claim about a real deployment: DeepSeek-V3's routed experts are ~55% of its activated
+parameters (8 of 9 experts in 58 of 61 layers), so a compute-bound prefill on an EP deployment
+sits nearer 0.5. docs/results.md's operating envelope shows the answer over the whole range;
+set your own in the step-model file.
+
+The gather's own cost (``gather_ms``)
+-------------------------------------
+Balance adds one ``all_gather`` on the gloo DP group per active step (contract 3), after the
+step's outputs are sent and before the next step starts. The simulator charges it to every step
+of a policy that gathers (``on``, ``cap-1``, ``bounded-hold``, ``trtllm-adp``), so balance is
+never free. Default 0.64 ms: ``balance_gather()`` at DP=2 on gloo loopback, the mean of the two
+runs in docs/results.md "(b) Gather cost" (651 and 621 us), the only measured point not
+oversubscribed on the 2-core machine. A cluster's gather crosses the network and grows with DP;
+:meth:`StepTimeModel.gather_cost_ms` is the one place a scaling model ``gather_ms(DP, per-hop
+latency)`` goes. ``0`` charges nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """What one rank's ``schedule()`` gave its forward (all zero for a dummy batch)."""
+
+    prefill_tokens: int = 0
+    decode_requests: int = 0
+    kv_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,14 +88,42 @@ class StepTimeModel:
     per_prefill_token_ms: float = 0.11
     per_decode_request_ms: float = 0.31
     per_kv_token_ms: float = 0.0
+    shared_fraction: float = 0.0
+    gather_ms: float = 0.64
 
     def rank_time_ms(self, prefill_tokens: int, decode_requests: int, kv_tokens: int = 0) -> float:
+        """One rank's own part of the step (its full time when ``shared_fraction`` is 0)."""
+        own = 1.0 - self.shared_fraction  # exactly 1.0 at 0: the products below are unchanged
         return (
             self.fixed_ms
-            + self.per_prefill_token_ms * prefill_tokens
-            + self.per_decode_request_ms * decode_requests
+            + own * self.per_prefill_token_ms * prefill_tokens
+            + own * self.per_decode_request_ms * decode_requests
             + self.per_kv_token_ms * kv_tokens
         )
+
+    def shared_time_ms(self, prefill_tokens: int, decode_requests: int, dp_size: int) -> float:
+        """The cluster-shared part for the cluster-wide totals, spread over ``dp_size`` ranks."""
+        work = self.per_prefill_token_ms * prefill_tokens
+        work += self.per_decode_request_ms * decode_requests
+        return self.shared_fraction * work / dp_size
+
+    def step_time_ms(self, works: Sequence[RankWork]) -> float:
+        """The lockstep step: the slowest rank's own part plus the shared part (ms)."""
+        slowest = max(
+            self.rank_time_ms(w.prefill_tokens, w.decode_requests, w.kv_tokens) for w in works
+        )
+        shared = self.shared_time_ms(
+            sum(w.prefill_tokens for w in works), sum(w.decode_requests for w in works), len(works)
+        )
+        return slowest + shared  # + 0.0 when shared_fraction is 0: today's numbers, bit for bit
+
+    def gather_cost_ms(self, dp_size: int) -> float:
+        """The balance ``all_gather``'s own time per active step at ``dp_size`` ranks (ms).
+
+        A constant today (``gather_ms``, measured at DP=2); a scaling model of the gather in DP
+        and per-hop latency replaces this body, and every caller follows.
+        """
+        return self.gather_ms
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -62,7 +134,10 @@ class StepModelError(ValueError):
 
 
 def _parse_file(path: Path) -> dict[str, Any]:
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise StepModelError(f"{path}: cannot read the step-model file ({exc.strerror})") from exc
     if path.suffix == ".toml":
         try:
             import tomllib
@@ -90,7 +165,10 @@ def load_step_model(path: str | Path) -> StepTimeModel:
     for key, value in data.items():
         if key not in known:
             raise StepModelError(f"{path}: unknown key {key!r}; known keys: {sorted(known)}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or value < 0:
             raise StepModelError(f"{path}: key {key!r} must be a number >= 0, got {value!r}")
+        if key == "shared_fraction" and value > 1:
+            raise StepModelError(f"{path}: key {key!r} must be between 0 and 1, got {value!r}")
         values[key] = float(value)
     return StepTimeModel(**values)

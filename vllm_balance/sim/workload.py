@@ -156,7 +156,11 @@ def load_trace(path: str | Path) -> list[Arrival]:
     """
     path = Path(path)
     rows: list[tuple[float, int, int]] = []
-    with path.open() as lines:
+    try:
+        lines = path.open()
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read the trace ({exc.strerror})") from exc
+    with lines:
         for lineno, line in enumerate(lines, start=1):
             if not line.strip():
                 continue

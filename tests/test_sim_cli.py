@@ -1,0 +1,210 @@
+"""The simulator's command line as users meet it: every option explained once, every bad input
+answered with one line and exit status 2 (never a traceback), and the judgement ``advise`` and
+the operating envelope share (``vllm_balance.sim.compare``).
+
+No test here runs a simulation: bad inputs are rejected before any scheduler is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from vllm_balance.sim.__main__ import build_parser, main
+from vllm_balance.sim.compare import HELPS, HURTS, MIXED, NEUTRAL, UNCLEAR, changes, verdict
+from vllm_balance.sim.metrics import Summary
+
+
+def all_parsers() -> list[argparse.ArgumentParser]:
+    parser = build_parser()
+    return [parser, *parser.commands.values()]
+
+
+@pytest.mark.parametrize("parser", all_parsers(), ids=lambda p: p.prog)
+def test_every_option_has_help_and_states_its_default_at_most_once(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, f"{parser.prog} {action.option_strings}: no help text"
+        rendered = action.help % {"default": action.default} if "%(" in action.help else action.help
+        assert rendered.count("default") <= 1, f"{action.option_strings}: {rendered}"
+    text = parser.format_help()
+    assert "(default: None)" not in text and "%(default)" not in text
+
+
+def _error_of(argv: list[str], capsys) -> str:
+    """Run the CLI; it must stop with status 2 and exactly one line on stderr."""
+    try:
+        status = main(argv)
+    except SystemExit as exc:
+        status = exc.code
+    captured = capsys.readouterr()
+    assert status == 2, (status, captured.err)
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert lines[0].startswith("vllm-balance-sim"), lines[0]
+    return lines[0]
+
+
+def _step_model(tmp_path, content: dict) -> str:
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(content))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--dp", "0"], "argument --dp: expected an integer >= 1, got '0'"),
+        (["--max-num-seqs", "0"], "argument --max-num-seqs: expected an integer >= 1"),
+        (["--num-requests", "0"], "argument --num-requests: expected an integer >= 1"),
+        (["--rate", "-1"], "argument --rate: expected a number > 0, got '-1'"),
+        (["--concurrency", "-5"], "argument --concurrency: expected an integer >= 1"),
+        (
+            ["--snapshot-interval-ms", "-1"],
+            "argument --snapshot-interval-ms: expected a number >= 0",
+        ),
+        (["--seed", "-1"], "argument --seed: expected an integer >= 0"),
+        (["--dp", "eight"], "argument --dp: expected an integer >= 1, got 'eight'"),
+        (["--burstiness", "nan"], "argument --burstiness: expected a number > 0"),
+        (["--prompt-len", "uniform:900:100"], "LO must be <= HI"),
+        (["--policies", "on,sometimes"], "policy 'sometimes'"),
+        (
+            ["--trace", "no/such/trace.jsonl"],
+            "argument --trace: no such file: 'no/such/trace.jsonl'",
+        ),
+        (["--step-model", "no/such/model.json"], "cannot read the step-model file"),
+        (["advise", "--dp", "0"], "argument --dp: expected an integer >= 1"),
+        (["advise", "--seeds", "3"], "at least 2 seeds"),
+        (["envelope", "--rate", "5"], "envelope sets the load itself"),
+        (["envelope", "--shared-fractions", "0,1.5"], "expected a number between 0 and 1"),
+        (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+    ],
+)
+def test_a_bad_input_is_one_line_and_exit_2(argv, expected, capsys):
+    assert expected in _error_of(argv, capsys)
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ({"fixed_ms": 20, "per_token_ms": 1}, "unknown key 'per_token_ms'"),
+        ({"fixed_ms": -1}, "key 'fixed_ms' must be a number >= 0, got -1"),
+        ({"shared_fraction": 1.5}, "key 'shared_fraction' must be between 0 and 1"),
+        ({"gather_ms": "fast"}, "key 'gather_ms' must be a number >= 0"),
+    ],
+)
+def test_a_bad_step_model_file_is_one_line_and_exit_2(tmp_path, content, expected, capsys):
+    line = _error_of(["--step-model", _step_model(tmp_path, content)], capsys)
+    assert "argument --step-model:" in line and expected in line
+
+
+# --- compare: the judgement advise and the envelope share ------------------------------------
+
+
+def _summary(ttft_p99=1000.0, ttft_p50=200.0, tok=2000.0, tpot=90.0, policy="p") -> Summary:
+    return Summary(policy, tok, ttft_p50, ttft_p99, tpot, tpot * 1.2, 0.8, 0.0, 100, 100, 10, 1.0)
+
+
+@pytest.mark.parametrize(
+    "variant, expected",
+    [
+        ([_summary(ttft_p99=300), _summary(ttft_p99=400)], HELPS),
+        ([_summary(ttft_p50=600), _summary(ttft_p50=500)], HURTS),
+        ([_summary(ttft_p99=300, tok=1500), _summary(ttft_p99=350, tok=1600)], MIXED),
+        ([_summary(tpot=92), _summary(tpot=88)], NEUTRAL),
+        # TPOT is shown, not judged: a hold shortens batches whatever it costs elsewhere.
+        ([_summary(tpot=50), _summary(tpot=55)], NEUTRAL),
+        ([_summary(ttft_p99=300), _summary(ttft_p99=1900)], UNCLEAR),
+    ],
+)
+def test_verdict_needs_a_change_beyond_5_percent_on_every_seed(variant, expected):
+    assert verdict(changes([_summary(), _summary()], variant)) == expected
+
+
+# --- advise: the words an operator reads ------------------------------------------------------
+
+
+def _advice(on_vs_off, hold_vs_off=None, hold_vs_on=None, frozen=0.0) -> str:
+    from vllm_balance.sim.advise import recommendation
+
+    base = [_summary(), _summary()]
+    same = changes(base, base)
+    lines = recommendation(
+        changes(base, on_vs_off),
+        changes(base, hold_vs_off) if hold_vs_off else same,
+        changes(base, hold_vs_on) if hold_vs_on else same,
+        "bounded-hold:8",
+        frozen,
+    )
+    return "\n".join(lines)
+
+
+def test_advise_recommends_enabling_when_on_only_helps():
+    text = _advice([_summary(ttft_p99=300), _summary(ttft_p99=350)], frozen=0.04)
+    assert text.startswith("Recommendation: ENABLE balance scheduling")
+    assert '{"enable_balance_scheduling": true}' in text and "TTFT p99 -67.5%" in text
+    assert "leave it unset" in text  # the bounded hold brought nothing more
+
+
+def test_advise_recommends_against_when_on_only_hurts():
+    text = _advice([_summary(ttft_p50=900), _summary(ttft_p50=800)])
+    assert text.startswith("Recommendation: DO NOT ENABLE")
+    assert "TTFT p50 +325.0%" in text
+
+
+def test_advise_says_no_difference_when_nothing_moves_beyond_5_percent():
+    text = _advice([_summary(tpot=91.5), _summary(tpot=91.0)], frozen=0.0)
+    assert text.startswith("Recommendation: NO DIFFERENCE") and "0.0% of steps" in text
+
+
+def test_advise_names_both_sides_of_a_trade_off():
+    text = _advice([_summary(ttft_p99=300, tok=1500), _summary(ttft_p99=350, tok=1600)])
+    assert text.startswith("Recommendation: TRADE-OFF")
+    assert "TTFT p99 -67.5%" in text and "throughput -22.5%" in text
+
+
+def test_advise_recommends_the_bounded_hold_only_when_it_beats_the_gate():
+    helps = [_summary(ttft_p99=300), _summary(ttft_p99=350)]
+    text = _advice(helps, hold_vs_on=[_summary(ttft_p99=800), _summary(ttft_p99=850)])
+    assert "also set balance_max_frozen_steps: 8" in text
+    hurts = [_summary(ttft_p50=900), _summary(ttft_p50=800)]
+    text = _advice(hurts, hold_vs_off=[_summary(ttft_p99=300), _summary(ttft_p99=350)])
+    assert "does help here" in text and '"balance_max_frozen_steps": 8' in text
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (dict(dp_size=1), "DP is 1"),
+        (dict(num_requests=100), "100 requests per run"),
+        (dict(concurrency=8 * 32 * 2), "2.00x what dp x max_num_seqs holds"),
+    ],
+)
+def test_advise_says_when_the_scenario_is_outside_what_it_can_judge(change, expected):
+    import dataclasses
+
+    from vllm_balance.sim.advise import limits
+    from vllm_balance.sim.runner import SimOptions, build_workload, offered_load
+
+    options = dataclasses.replace(SimOptions(), **change)
+    submitted = change.get("num_requests", 2000)
+    runs = [dataclasses.replace(_summary(), submitted=submitted, completed=submitted)] * 2
+    load = offered_load(options, build_workload(options))
+    reasons = limits(options, load, {"off": runs, "on": runs})
+    assert len(reasons) == 1 and expected in reasons[0]
+    # The same check passes the default scenario: it is the change that trips it.
+    complete = [dataclasses.replace(_summary(), submitted=2000, completed=2000)] * 2
+    assert limits(SimOptions(), 1.0, {"off": complete, "on": complete}) == []
+
+
+def test_a_rate_maps_back_to_the_concurrency_it_was_made_from():
+    from vllm_balance.sim.runner import SimOptions, build_workload, concurrency_for_rate
+
+    for concurrency in (100, 256, 400):
+        options = SimOptions(concurrency=concurrency)
+        rate = build_workload(options).rate_per_s
+        # The estimate truncates token counts to integers: the inverse is good to ~1%.
+        assert concurrency_for_rate(options, rate, 576, 128) == pytest.approx(concurrency, rel=0.01)
