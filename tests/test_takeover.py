@@ -215,7 +215,9 @@ def test_fork_child_with_async_scheduler_defined_on_vllm_ascends_class_runs_ours
     tainted = import_async_scheduler_again(monkeypatch).AsyncScheduler
     assert ASCEND_SCHEDULER in [f"{c.__module__}.{c.__qualname__}" for c in tainted.__mro__]
     result = launch_engine_core("fork", dp_config(TAKE_OVER, async_scheduling=True), forked_probe)
-    assert result["scheduler_is_async"] is True
+    # By name: this test process may hold balance classes built on the AsyncScheduler it had
+    # before the re-import (an engine process builds them only after the take-over).
+    assert "vllm.v1.core.sched.async_scheduler.AsyncScheduler" in result["scheduler_mro"]
     assert_balance_classes_built(result)
     assert_vllm_names_restored_under_ours(result["names"])
 

@@ -18,6 +18,32 @@ ORDERS = ("ascend-first", "ours-first")
 OUR_PLUGIN = "balance_scheduling"
 
 
+def load_series_module():
+    """``upstream_patch/vllm-ascend/series.py`` (its folder name is not an import name)."""
+    import importlib.util
+
+    path = STANDIN_ROOT.parent.parent / "upstream_patch" / "vllm-ascend" / "series.py"
+    spec = importlib.util.spec_from_file_location("vllm_ascend_series", path)
+    assert spec is not None and spec.loader is not None
+    module = sys.modules.get(spec.name)
+    if module is None:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return module
+
+
+def delegating_root(directory: Path) -> Path:
+    """The stand-in after the vllm-ascend series: its balance module is the series' own text."""
+    import shutil
+
+    series = load_series_module()
+    root = directory / "delegating"
+    shutil.copytree(STANDIN_ROOT, root)
+    (root / series.BALANCE_MODULE).write_text(series.post_image(series.BALANCE_MODULE))
+    return root
+
+
 def put_on_path(order: str, root: Path = STANDIN_ROOT) -> None:
     """Make the stand-in importable and its entry points discoverable, in ``order``."""
     assert order in ORDERS, order

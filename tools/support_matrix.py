@@ -36,7 +36,7 @@ def _version_key(version: str) -> tuple[int, ...]:
 
 def seam_releases() -> list[str]:
     return sorted(
-        (p.name.removeprefix("v") for p in (ROOT / "upstream_patch").glob("v*") if p.is_dir()),
+        (p.name.removeprefix("v") for p in (ROOT / "upstream_patch").glob("v[0-9]*") if p.is_dir()),
         key=_version_key,
     )
 
