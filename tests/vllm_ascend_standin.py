@@ -90,7 +90,9 @@ def vllm_ascend_in(names: list[str]) -> list[str]:
 def vllm_ascend_in_this_process(order: str, root: Path = STANDIN_ROOT) -> Iterator[None]:
     """The stand-in on ``sys.path`` for one in-process test; afterwards every name as before.
 
-    vLLM's ``plugins_loaded`` flag is cleared so that ``load_general_plugins()`` runs again.
+    The test starts from vLLM's own names (a wrapper an earlier test left installed is taken off
+    for its duration and put back afterwards, with what it had replaced). vLLM's
+    ``plugins_loaded`` flag is cleared so that ``load_general_plugins()`` runs again.
     """
     import vllm.plugins
     import vllm.v1.core.sched.async_scheduler as async_module
@@ -99,21 +101,24 @@ def vllm_ascend_in_this_process(order: str, root: Path = STANDIN_ROOT) -> Iterat
 
     from vllm_balance import registry, takeover
 
+    patches = registry.ALL_PATCHES + registry.TAKE_OVER_PATCHES
     saved = (
         scheduler_module.Scheduler,
         async_module.AsyncScheduler,
         core_module.DPEngineCoreProc,
         core_module.EngineCoreProc.__dict__["run_engine_core"],
     )
+    saved_originals = [patch._original for patch in patches]
     saved_path, saved_loaded = list(sys.path), vllm.plugins.plugins_loaded
+    registry.uninstall_all()
     put_on_path(order, root)
     vllm.plugins.plugins_loaded = False
     try:
         yield
     finally:
         registry.uninstall_all()
-        for patch in registry.ALL_PATCHES + registry.TAKE_OVER_PATCHES:
-            patch._original = None
+        for patch, original in zip(patches, saved_originals):
+            patch._original = original
         takeover._rebuilt_async_schedulers.clear()
         (
             scheduler_module.Scheduler,
