@@ -21,6 +21,7 @@ from pathlib import Path
 def _report(engine_core, vllm_config, report_path: str) -> None:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.engine.core import EngineCoreProc
+    from vllm_ascend_standin import qualified, vllm_name_facts
 
     scheduler_cls = vllm_config.scheduler_config.scheduler_cls
     report = {
@@ -31,29 +32,40 @@ def _report(engine_core, vllm_config, report_path: str) -> None:
         "scheduler_is_async": isinstance(scheduler_cls, type)
         and issubclass(scheduler_cls, AsyncScheduler),
         "run_engine_core": EngineCoreProc.run_engine_core.__module__,
+        "engine_core_mro": [qualified(c) for c in type(engine_core).__mro__],
+        "scheduler_mro": [qualified(c) for c in getattr(scheduler_cls, "__mro__", ())],
+        "names": vllm_name_facts(),
     }
     Path(report_path).write_text(json.dumps(report))
 
 
-def install_probe(report_path: str) -> HandshakeProbe:
+def install_probe(report_path: str, load_general_plugins: bool = False) -> HandshakeProbe:
+    """``load_general_plugins``: first do what ``EngineCore.__init__`` does first (vLLM 0.24.0 and
+    0.25.0 ``v1/engine/core.py`` L110), so that the report shows the names after a spawned
+    child's first plugin load (a fork child inherits the front end's and loads none)."""
     from vllm.v1.engine.core import EngineCoreProc
 
     def probe(self, handshake_address, identity, local_client, vllm_config, *args, **kwargs):
+        if load_general_plugins:
+            from vllm.plugins import load_general_plugins as load
+
+            load()
         _report(self, vllm_config, report_path)
         raise SystemExit(0)  # stop before talking to a front end that does not exist
 
     EngineCoreProc._perform_handshakes = probe  # type: ignore[method-assign]
-    return HandshakeProbe(report_path)
+    return HandshakeProbe(report_path, load_general_plugins)
 
 
 class HandshakeProbe:
     """Rides inside ``additional_config``; unpickling it in a spawn child installs the probe."""
 
-    def __init__(self, report_path: str) -> None:
+    def __init__(self, report_path: str, load_general_plugins: bool = False) -> None:
         self.report_path = report_path
+        self.load_general_plugins = load_general_plugins
 
     def __reduce__(self):
-        return (install_probe, (self.report_path,))
+        return (install_probe, (self.report_path, self.load_general_plugins))
 
     def __hash__(self) -> int:
         return hash(self.report_path)

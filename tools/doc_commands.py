@@ -121,6 +121,25 @@ REGISTRY: tuple[Route, ...] = (
         NOX_NAMES,
     ),
     Route(
+        r"nox -s soak -- tests/test_takeover\.py -k full_launcher",
+        ON_DEMAND,
+        "`nox -s soak` (`pytest -m slow`), these two tests only",
+        NOX_NAMES + "; some test name in tests/ contains the `-k` word",
+    ),
+    Route(
+        r"python upstream_patch/vllm-ascend/apply\.py <vllm-ascend-checkout>",
+        BY_HAND,
+        "whoever sends the vllm-ascend PR, in a vllm-ascend work tree (no vllm-ascend source "
+        "here; `--check` was run on a clone at the series' base commit)",
+        ARGPARSE + " (placeholder filled)",
+    ),
+    Route(
+        r"git rebase --signoff <start>",
+        BY_HAND,
+        "the sender of the vllm-ascend PR, after `apply.py` (which prints it)",
+        "-",
+    ),
+    Route(
         r"python upstream_patch/apply\.py installed",
         CI,
         "the `*-seam` test sessions (noxfile.py `apply_seam`)",

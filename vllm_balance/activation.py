@@ -19,8 +19,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_balance.config import balance_enabled
+from vllm_balance.config import TAKE_OVER_KEY, balance_enabled, balance_options
 from vllm_balance.log import logger
+from vllm_balance.takeover import (
+    import_vllm_ascend_patches,
+    is_vllm_ascend,
+    run_engine_core_reach,
+    take_over,
+)
 
 
 class BalanceConfigError(ValueError):
@@ -37,22 +43,28 @@ def _foreign_balance_patches() -> list[str]:
 
     vllm-ascend's built-in balance scheduling swaps the module-level ``Scheduler`` and wraps
     ``run_engine_core`` (its DyntraLB patches the same places); two balance gates would gather
-    twice per step and disagree on the freeze.
+    twice per step and disagree on the freeze. For ``run_engine_core`` what counts is what our
+    wrapper calls after deciding (a vllm-ascend wrapper there would swap ``DPEngineCoreProc``
+    behind our back); a wrapper that called ours has already run, and what it swapped shows in
+    the two class names.
     """
     import vllm.v1.core.sched.scheduler as scheduler_module
     import vllm.v1.engine.core as core_module
 
     from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
 
+    below_ours = run_engine_core_reach(RUN_ENGINE_CORE_WRAPPER.upstream())
     candidates = {
         "vllm.v1.core.sched.scheduler.Scheduler": scheduler_module.Scheduler,
         "vllm.v1.engine.core.DPEngineCoreProc": core_module.DPEngineCoreProc,
-        "EngineCoreProc.run_engine_core": RUN_ENGINE_CORE_WRAPPER.upstream(),
+        "EngineCoreProc.run_engine_core": next(
+            (f for f in below_ours if is_vllm_ascend(f)), below_ours[0] if below_ours else None
+        ),
     }
     return [
         f"{name} -> {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
         for name, obj in candidates.items()
-        if getattr(obj, "__module__", "").startswith("vllm_ascend")
+        if is_vllm_ascend(obj)
     ]
 
 
@@ -70,13 +82,16 @@ def balance_applies(vllm_config: Any) -> bool:
             "balance scheduling supports PD-mixed mode only; kv_transfer_config.kv_role="
             f"{role!r} (PD-disaggregated) cannot enable enable_balance_scheduling"
         )
+    import_vllm_ascend_patches()  # wherever plugin order put them: check the final state
     foreign = _foreign_balance_patches()
-    if foreign:
+    if foreign and not balance_options(vllm_config).take_over_vllm_ascend:
         raise BalanceConfigError(
             "balance scheduling is already patched in by vllm-ascend ("
             + "; ".join(foreign)
-            + "): refusing a second activation. Disable vllm-ascend's built-in balance "
-            "scheduling / DyntraLB, or do not install vllm-balance-scheduling with it"
+            + "): refusing a second activation. Set additional_config."
+            f"{TAKE_OVER_KEY}=true to restore vLLM's names and run vllm-balance-scheduling "
+            "instead (docs/operations.md, 'With vllm-ascend on Ascend'), or do not install "
+            "vllm-balance-scheduling with this vllm-ascend"
         )
     parallel_config = vllm_config.parallel_config
     if parallel_config.data_parallel_size <= 1:
@@ -133,6 +148,7 @@ def activate_for(vllm_config: Any) -> bool:
     if not balance_applies(vllm_config):
         DP_ENGINE_CORE_SWAP.uninstall()
         return False
+    _take_over_if_requested(vllm_config)
     scheduler_cls = select_scheduler_cls(vllm_config)
     DP_ENGINE_CORE_SWAP.install()
     from vllm_balance.selection import active_path
@@ -145,6 +161,25 @@ def activate_for(vllm_config: Any) -> bool:
         "BalanceDPEngineCoreProc",
     )
     return True
+
+
+def _take_over_if_requested(vllm_config: Any) -> None:
+    """Take-over mode (vllm_balance.takeover): balance_applies() let foreign patches through."""
+    foreign = _foreign_balance_patches()
+    if not foreign:
+        if balance_options(vllm_config).take_over_vllm_ascend:
+            logger.warning(
+                "%s is set but vllm-ascend's balance patch is not active in this process: "
+                "nothing to take over (remove the key)",
+                TAKE_OVER_KEY,
+            )
+        return
+    take_over(vllm_config, foreign)
+    left = _foreign_balance_patches()
+    if left:
+        raise BalanceConfigError(
+            "balance scheduling could not take over from vllm-ascend: " + "; ".join(left)
+        )
 
 
 def balance_run_engine_core(*args: Any, dp_rank: int = 0, local_dp_rank: int = 0, **kwargs: Any):

@@ -108,6 +108,7 @@ def balance_enabled(vllm_config: Any) -> bool:
 
 LOG_INTERVAL_KEY = "balance_log_interval_s"
 MAX_FROZEN_STEPS_KEY = "balance_max_frozen_steps"
+TAKE_OVER_KEY = "balance_take_over_vllm_ascend"
 DEFAULT_LOG_INTERVAL_S = 10.0
 
 
@@ -120,6 +121,9 @@ class BalanceOptions:
     # Opt-in bounded hold: after this many consecutive frozen steps admission opens for one
     # step on all ranks. None (the default) is exactly the contract: no bound.
     max_frozen_steps: int | None = None
+    # Opt-in take-over: where vllm-ascend's own balance patch is active, restore the vLLM names
+    # it replaced and run this package instead (vllm_balance.takeover). Off: refuse, as always.
+    take_over_vllm_ascend: bool = False
 
 
 def balance_options(vllm_config: Any) -> BalanceOptions:
@@ -135,4 +139,10 @@ def balance_options(vllm_config: Any) -> BalanceOptions:
         bound = None
     elif isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
         raise ValueError(f"{where} must be an integer >= 1 (or unset for no bound), got {bound!r}")
-    return BalanceOptions(log_interval_s=float(interval) or None, max_frozen_steps=bound)
+    where, take_over = _additional_value(vllm_config, TAKE_OVER_KEY)
+    take_over = False if take_over is _UNSET else _checked_bool(where, take_over)
+    return BalanceOptions(
+        log_interval_s=float(interval) or None,
+        max_frozen_steps=bound,
+        take_over_vllm_ascend=take_over,
+    )

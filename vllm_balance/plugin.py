@@ -6,6 +6,11 @@ the engine config (so the wrapper is in place when the launcher pickles or forks
 the ``run_engine_core`` wrapper, which decides per engine process from that process's config;
 with balance off it restores upstream's ``DPEngineCoreProc`` and touches nothing else, so every
 upstream class stays the identical object.
+
+Next to vllm-ascend, whose platform patches wrap ``run_engine_core`` too, the wrapper must be
+reached whatever the plugin order: vllm-ascend's patches are applied first (idempotent, as its own
+plugins do), so that ours goes on top, unless ours is already part of the chain (a vllm-ascend
+that delegates registers it and wraps it again): installing it twice would make it call itself.
 """
 
 from __future__ import annotations
@@ -15,8 +20,12 @@ from vllm_balance.log import logger
 
 def register() -> None:
     from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
+    from vllm_balance.takeover import import_vllm_ascend_patches, run_engine_core_reach
 
-    RUN_ENGINE_CORE_WRAPPER.install()
+    import_vllm_ascend_patches()
+    ours = RUN_ENGINE_CORE_WRAPPER.replacement().__func__
+    if ours not in run_engine_core_reach(RUN_ENGINE_CORE_WRAPPER.current()):
+        RUN_ENGINE_CORE_WRAPPER.install()
     logger.debug(
         "vllm-balance-scheduling plugin registered (%s wrapped)", RUN_ENGINE_CORE_WRAPPER.name
     )

@@ -4,6 +4,10 @@ Each entry says Why (what upstream lacks), How (what is replaced), Related PR (t
 that would remove it) and Future Plan, and is reversible (``install()`` / ``uninstall()``), so
 tests can apply and remove it. Scheduler classes are not patched: they are chosen per engine
 process through ``scheduler_config.scheduler_cls`` (see ``vllm_balance.activation``).
+
+``TAKE_OVER_PATCHES`` are installed only in take-over mode (``vllm_balance.takeover``): they put
+back the vLLM objects that vllm-ascend's own balance patch replaced, before this package's own
+patches go on top; ``uninstall_all()`` removes ours first, then gives vllm-ascend its names back.
 """
 
 from __future__ import annotations
@@ -40,12 +44,20 @@ class RuntimePatch:
         setattr(self.owner(), self.attribute, self.replacement())
 
     def uninstall(self) -> None:
-        if self.is_installed():
+        # Only what install() put there: a take-over entry whose replacement is already in place
+        # (nothing foreign to restore) was never installed and has nothing to give back.
+        if self._original is not None and self.is_installed():
             setattr(self.owner(), self.attribute, self._original)
+            self._original = None
 
     def upstream(self) -> Any:
-        """The value vLLM itself defines (what install() replaced, or what is there now)."""
-        value = self._original if self.is_installed() else self.current()
+        """What the replacement stands in front of: what install() replaced, else what is there.
+
+        Also after another package installed its own wrapper on top of ours (vllm-ascend's patches
+        capture ``run_engine_core`` at import): what is there now is that wrapper, which calls
+        ours, so calling it from ours would recurse forever.
+        """
+        value = self._original if self._original is not None else self.current()
         return value.__func__ if isinstance(value, staticmethod) else value
 
 
@@ -123,6 +135,117 @@ DP_ENGINE_CORE_SWAP = RuntimePatch(
 ALL_PATCHES: tuple[RuntimePatch, ...] = (RUN_ENGINE_CORE_WRAPPER, DP_ENGINE_CORE_SWAP)
 
 
+def _scheduler_module() -> Any:
+    import vllm.v1.core.sched.scheduler
+
+    return vllm.v1.core.sched.scheduler
+
+
+def _async_scheduler_module() -> Any:
+    # Imported here at the earliest after TAKE_OVER_SCHEDULER: a first import then binds vLLM's
+    # own Scheduler as AsyncScheduler's base, and there is nothing to rebuild.
+    import vllm.v1.core.sched.async_scheduler
+
+    return vllm.v1.core.sched.async_scheduler
+
+
+def _vllm_scheduler() -> Any:
+    from vllm_balance import takeover
+
+    module = _scheduler_module()
+    return takeover.vllm_class(module.Scheduler, module.__name__, "Scheduler")
+
+
+def _clean_async_scheduler() -> Any:
+    from vllm_balance import takeover
+
+    return takeover.clean_async_scheduler(_async_scheduler_module().AsyncScheduler)
+
+
+def _vllm_dp_engine_core() -> Any:
+    from vllm_balance import takeover
+
+    module = _engine_core_module()
+    return takeover.vllm_class(module.DPEngineCoreProc, module.__name__, "DPEngineCoreProc")
+
+
+def _vllm_run_engine_core() -> Any:
+    from vllm_balance import takeover
+
+    return _static_wrapper(takeover.vllm_run_engine_core())
+
+
+_TAKE_OVER_WHY = (
+    "vllm-ascend's patch_balance_schedule.py (and DyntraLB's wrapper on top of it) replaces this "
+    "name at import, unconditionally, in every process that applies vllm-ascend's platform "
+    "patches; two balance implementations in one engine core gather twice per step"
+)
+_TAKE_OVER_PR = (
+    "vllm-ascend: upstream_patch/vllm-ascend/ (patch_balance_schedule.py delegates to this "
+    "package instead of swapping names)"
+)
+_TAKE_OVER_PLAN = "delete with vllm_balance/takeover.py once vllm-ascend delegates"
+
+TAKE_OVER_SCHEDULER = RuntimePatch(
+    name="vllm.v1.core.sched.scheduler.Scheduler (take-over)",
+    why=_TAKE_OVER_WHY,
+    how="vLLM's own Scheduler (the vLLM class in the swapped class's MRO) put back",
+    related_pr=_TAKE_OVER_PR,
+    future_plan=_TAKE_OVER_PLAN,
+    owner=_scheduler_module,
+    attribute="Scheduler",
+    replacement=_vllm_scheduler,
+)
+
+TAKE_OVER_ASYNC_SCHEDULER = RuntimePatch(
+    name="vllm.v1.core.sched.async_scheduler.AsyncScheduler (take-over)",
+    why=(
+        "AsyncScheduler binds Scheduler when its module is first imported; imported after "
+        "vllm-ascend's swap (its platform imports recompute_scheduler, which imports it), its "
+        "base is vllm-ascend's BalanceScheduler and the schedule() copy sits in its MRO"
+    ),
+    how=(
+        "when the class has a vllm-ascend class in its MRO: the module's code executed again "
+        "(not re-imported) with vLLM's Scheduler back in place, its AsyncScheduler put back"
+    ),
+    related_pr=_TAKE_OVER_PR,
+    future_plan=_TAKE_OVER_PLAN,
+    owner=_async_scheduler_module,
+    attribute="AsyncScheduler",
+    replacement=_clean_async_scheduler,
+)
+
+TAKE_OVER_DP_ENGINE_CORE = RuntimePatch(
+    name="vllm.v1.engine.core.DPEngineCoreProc (take-over)",
+    why=_TAKE_OVER_WHY,
+    how="vLLM's own DPEngineCoreProc (the vLLM class in the swapped class's MRO) put back",
+    related_pr=_TAKE_OVER_PR,
+    future_plan=_TAKE_OVER_PLAN,
+    owner=_engine_core_module,
+    attribute="DPEngineCoreProc",
+    replacement=_vllm_dp_engine_core,
+)
+
+TAKE_OVER_RUN_ENGINE_CORE = RuntimePatch(
+    name="EngineCoreProc.run_engine_core (take-over)",
+    why=_TAKE_OVER_WHY,
+    how="vLLM's own function (found by walking the wrappers) put back as the staticmethod",
+    related_pr=_TAKE_OVER_PR,
+    future_plan=_TAKE_OVER_PLAN,
+    owner=_engine_core_proc,
+    attribute="run_engine_core",
+    replacement=_vllm_run_engine_core,
+)
+
+# Install order: Scheduler before AsyncScheduler (the rebuild needs vLLM's Scheduler in place).
+TAKE_OVER_PATCHES: tuple[RuntimePatch, ...] = (
+    TAKE_OVER_SCHEDULER,
+    TAKE_OVER_ASYNC_SCHEDULER,
+    TAKE_OVER_DP_ENGINE_CORE,
+    TAKE_OVER_RUN_ENGINE_CORE,
+)
+
+
 def uninstall_all() -> None:
-    for patch in reversed(ALL_PATCHES):
+    for patch in reversed(TAKE_OVER_PATCHES + ALL_PATCHES):
         patch.uninstall()

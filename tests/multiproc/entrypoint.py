@@ -1,12 +1,14 @@
 """The full engine through vLLM's own launcher: front-end client, DP coordinator, engine processes.
 
-    python -m tests.multiproc.entrypoint     # prints one JSON line
+    python -m tests.multiproc.entrypoint [DP] [OPTIONS_JSON]    # prints one JSON line
 
 Nothing here plays a vLLM role: ``EngineCoreClient.make_async_mp_client`` (the ``AsyncLLM`` path)
 starts vLLM's ``DPCoordinator`` process and one process per DP rank whose target is
-``EngineCoreProc.run_engine_core``, which is our activation wrapper because the package's plugin
-``register()`` ran first (as vLLM's ``load_general_plugins()`` does in a front end). The only
-stand-in is the executor class, passed like any ``distributed_executor_backend`` class.
+``EngineCoreProc.run_engine_core``, which is our activation wrapper because vLLM's
+``load_general_plugins()`` ran the package's plugin first, as in a front end. The only stand-in
+is the executor class, passed like any ``distributed_executor_backend`` class. ``OPTIONS_JSON``
+may add ``additional_config`` keys and set ``async_scheduling``; vLLM's own
+``VLLM_WORKER_MULTIPROC_METHOD`` picks fork or spawn for the engine processes.
 
 Each engine process is then asked (``collective_rpc("harness_engine_facts")``) what it runs, so
 the test sees the activation wrapper, the module-name swap and the scheduler selection as they
@@ -21,23 +23,28 @@ import sys
 import time
 
 
-async def drive(dp_size: int) -> dict:
+async def drive(dp_size: int, options: dict | None = None) -> dict:
+    from vllm.plugins import load_general_plugins
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.engine.core_client import EngineCoreClient
 
-    import vllm_balance.plugin
     from tests.multiproc.standin import StandInExecutor
     from tests.multiproc.traces import CAP
     from vllm_balance.factories import make_vllm_config
 
-    vllm_balance.plugin.register()
+    options = options or {}
+    load_general_plugins()
     vllm_config = make_vllm_config(
         moe=True,
         max_num_seqs=CAP,
         max_model_len=2048,
         data_parallel_size=dp_size,
-        additional_config={"enable_balance_scheduling": True},
+        additional_config={
+            "enable_balance_scheduling": True,
+            **options.get("additional_config", {}),
+        },
+        async_scheduling=options.get("async_scheduling", False),
     )
     # All ranks on this host (ParallelConfig defaults to one local rank, and the launcher then
     # waits for the others to connect from elsewhere).
@@ -108,7 +115,8 @@ def main() -> None:
     # Inherited by the engine processes vLLM forks: SIGUSR1 dumps any of them (hang diagnosis).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     dp_size = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    print("ENTRYPOINT-RESULT " + json.dumps(asyncio.run(drive(dp_size))), flush=True)
+    options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    print("ENTRYPOINT-RESULT " + json.dumps(asyncio.run(drive(dp_size, options))), flush=True)
 
 
 if __name__ == "__main__":

@@ -142,6 +142,7 @@ class StandInWorker:
 
         import vllm.v1.engine.core as engine_core_module
 
+        from tests.vllm_ascend_standin import qualified, vllm_name_facts
         from vllm_balance.registry import DP_ENGINE_CORE_SWAP, RUN_ENGINE_CORE_WRAPPER
 
         # The engine core is not reachable from an executor (and gc.get_objects() misses it:
@@ -167,6 +168,9 @@ class StandInWorker:
             "scheduler_has_dp_group": getattr(scheduler, "dp_group", None) is not None,
             # Counted by balance_gather() itself, after its all_gather (None: no balance stats).
             "balance_gathers": getattr(getattr(scheduler, "balance_stats", None), "gathers", None),
+            "engine_core_mro": [qualified(c) for c in type(core).__mro__] if core else [],
+            "scheduler_mro": [qualified(c) for c in type(scheduler).__mro__] if scheduler else [],
+            "names": vllm_name_facts(),
         }
 
     def shutdown(self) -> None:

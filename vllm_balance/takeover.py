@@ -1,0 +1,197 @@
+"""Take-over mode: run this package where vllm-ascend's own balance patch is active.
+
+vllm-ascend (until it delegates, ``upstream_patch/vllm-ascend/``) applies
+``vllm_ascend/patch/platform/patch_balance_schedule.py`` with all its platform patches, in every
+process that loads its plugins, and reads the same ``enable_balance_scheduling`` key. At import
+that module swaps ``vllm.v1.core.sched.scheduler.Scheduler`` for its ``BalanceScheduler`` (a copy
+of v0.24.0's ``schedule()``) and wraps ``EngineCoreProc.run_engine_core`` (the wrapper swaps
+``DPEngineCoreProc`` when balance is on); its DyntraLB patch wraps ``run_engine_core`` once more.
+vllm-ascend offers no switch to leave them out.
+
+Without ``balance_take_over_vllm_ascend`` this package refuses to activate next to it
+(``vllm_balance.activation``). With it, the engine-core process gets vLLM's own objects back
+through ``registry.TAKE_OVER_PATCHES`` (reversible) before this package activates as it does
+anywhere else. vLLM's objects are found from what replaced them, never from vllm-ascend's
+private names: a swapped class still has vLLM's class in its MRO; a wrapper keeps what it wraps in
+its module's globals (``vllm_run_engine_core``).
+
+When vllm-ascend's patches land in a process depends on plugin order. vLLM loads general plugins
+(ours and vllm-ascend's, in entry-point order) in the front end, before the platform hook; in a
+spawned engine core, inside ``EngineCore.__init__``, after ``run_engine_core`` chose the
+engine-core class. ``import_vllm_ascend_patches()`` applies them first (what vllm-ascend's own
+``adapt_patch(is_global_patch=True)`` does; idempotent), so that what this package checks,
+restores and stacks its wrapper on is the final state, whatever the order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from typing import Any
+
+from vllm_balance.config import TAKE_OVER_KEY, _additional_value
+from vllm_balance.log import logger
+
+VLLM_ASCEND = "vllm_ascend"
+# vllm_ascend/utils.py adapt_patch(is_global_patch=True) imports this package; its __init__
+# imports every platform patch, patch_balance_schedule and patch_dyntra_lb_core among them.
+VLLM_ASCEND_PLATFORM_PATCHES = "vllm_ascend.patch.platform"
+VLLM_RUN_ENGINE_CORE = ("vllm.v1.engine.core", "EngineCoreProc.run_engine_core")
+SHORT_REQUEST_FIRST_KEY = "short_request_first_config"
+
+_platform_patch_failures: set[str] = set()
+_rebuilt_async_schedulers: dict[type, type] = {}
+
+
+class TakeOverError(ValueError):
+    """The take-over cannot give vLLM its objects back (the engine core must not start)."""
+
+
+def is_vllm_ascend(obj: Any) -> bool:
+    module = getattr(obj, "__module__", None) or ""
+    return module == VLLM_ASCEND or module.startswith(VLLM_ASCEND + ".")
+
+
+def import_vllm_ascend_patches() -> None:
+    """Apply vllm-ascend's platform patches now, where vllm-ascend is installed (idempotent)."""
+    if importlib.util.find_spec(VLLM_ASCEND) is None:
+        return
+    try:
+        importlib.import_module(VLLM_ASCEND_PLATFORM_PATCHES)
+    except Exception as exc:  # vllm-ascend's own plugins fail the same way here; vLLM logs those
+        reason = f"{type(exc).__name__}: {exc}"
+        if reason not in _platform_patch_failures:
+            _platform_patch_failures.add(reason)
+            logger.warning(
+                "vllm-ascend is installed but %s cannot be imported here (%s); balance "
+                "scheduling checks the vLLM names as they are",
+                VLLM_ASCEND_PLATFORM_PATCHES,
+                reason,
+            )
+
+
+def vllm_class(cls: type, module: str, name: str) -> type:
+    """vLLM's own ``module.name`` behind ``cls``: the first class of its MRO defined there."""
+    for candidate in cls.__mro__:
+        if candidate.__module__ == module and candidate.__qualname__ == name:
+            return candidate
+    raise TakeOverError(f"{module}.{name} is {cls!r}, which does not derive from vLLM's {name}")
+
+
+def clean_async_scheduler(cls: type) -> type:
+    """``cls`` if no vllm-ascend class is in its MRO, else the same code run on vLLM's Scheduler.
+
+    ``AsyncScheduler`` binds ``Scheduler`` when its module first runs; after vllm-ascend's swap
+    (its platform imports its recompute scheduler, which imports ``AsyncScheduler``) its base is
+    vllm-ascend's ``BalanceScheduler``. Executing the module's code again, into a new module
+    object, with vLLM's ``Scheduler`` in place gives the class vLLM defines; the loaded module and
+    every other name stay as they are.
+    """
+    if not any(is_vllm_ascend(base) for base in cls.__mro__):
+        return cls
+    if cls not in _rebuilt_async_schedulers:
+        import vllm.v1.core.sched.scheduler as scheduler_module
+
+        if is_vllm_ascend(scheduler_module.Scheduler):
+            raise TakeOverError("AsyncScheduler cannot be rebuilt before Scheduler is restored")
+        spec = importlib.util.find_spec(cls.__module__)
+        assert spec is not None and spec.loader is not None, cls.__module__
+        fresh = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(fresh)
+        _rebuilt_async_schedulers[cls] = fresh.AsyncScheduler
+    return _rebuilt_async_schedulers[cls]
+
+
+def _function(value: Any) -> Any:
+    value = value.__func__ if isinstance(value, staticmethod) else value
+    return value if callable(value) and hasattr(value, "__code__") else None
+
+
+def _is_run_engine_core_wrapper(value: Any) -> bool:
+    function = _function(value)
+    return function is not None and function.__name__.endswith("run_engine_core")
+
+
+def is_vllm_run_engine_core(function: Any) -> bool:
+    return (
+        getattr(function, "__module__", None),
+        getattr(function, "__qualname__", None),
+    ) == VLLM_RUN_ENGINE_CORE
+
+
+def run_engine_core_reach(start: Any) -> list:
+    """The functions a call of ``start`` can pass through, ``start`` first.
+
+    Ours calls ``RUN_ENGINE_CORE_WRAPPER.upstream()``; vllm-ascend's wrappers (functions named
+    ``*run_engine_core``, like vLLM's) call what they captured in module globals
+    (``_OriginalRunEngineCore``, ``_PreviousRunEngineCore``, ``_UpstreamRunEngineCore`` at
+    vllm-ascend 182b75ea). The walk stops at vLLM's own function.
+    """
+    from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
+
+    ours = _function(RUN_ENGINE_CORE_WRAPPER.replacement())
+    found: list = []
+    todo = [_function(start)]
+    while todo:
+        function = todo.pop(0)
+        if function is None or function in found:
+            continue
+        found.append(function)
+        if function is ours:
+            todo.append(RUN_ENGINE_CORE_WRAPPER.upstream())
+        elif is_vllm_ascend(function):
+            module = sys.modules.get(function.__module__)
+            if module is not None:
+                todo.extend(
+                    _function(v) for v in vars(module).values() if _is_run_engine_core_wrapper(v)
+                )
+    return found
+
+
+def vllm_run_engine_core() -> Any:
+    """vLLM's own ``run_engine_core`` function, found behind whatever wraps it now."""
+    from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
+
+    for function in run_engine_core_reach(RUN_ENGINE_CORE_WRAPPER.current()):
+        if is_vllm_run_engine_core(function):
+            return function
+    raise TakeOverError(
+        "cannot find vLLM's own EngineCoreProc.run_engine_core behind the wrappers installed on "
+        "it (a vllm-ascend wrapper this package does not know how to follow)"
+    )
+
+
+def short_request_first_enabled(vllm_config: Any) -> bool:
+    """vllm-ascend's ``short_request_first_config.enabled`` (nested form wins, as in its config)."""
+    _, value = _additional_value(vllm_config, SHORT_REQUEST_FIRST_KEY)
+    return isinstance(value, dict) and value.get("enabled") is True
+
+
+def take_over(vllm_config: Any, foreign: list[str]) -> None:
+    """Give vLLM its objects back (reversibly) and put our wrapper on top; log one line.
+
+    ``foreign`` is what ``activation._foreign_balance_patches()`` found; the caller checks that
+    nothing is left afterwards.
+    """
+    from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER, TAKE_OVER_PATCHES
+
+    if short_request_first_enabled(vllm_config):
+        raise TakeOverError(
+            f"{TAKE_OVER_KEY} cannot keep vllm-ascend's {SHORT_REQUEST_FIRST_KEY}: vllm-ascend "
+            "installs its waiting queue in the BalanceScheduler that the take-over removes. "
+            f"Disable {SHORT_REQUEST_FIRST_KEY} or the take-over"
+        )
+    # Ours may sit on top of vllm-ascend's wrapper: take it off so that theirs is what the
+    # take-over replaces, then put it back on vLLM's function.
+    RUN_ENGINE_CORE_WRAPPER.uninstall()
+    for patch in TAKE_OVER_PATCHES:
+        patch.install()
+    RUN_ENGINE_CORE_WRAPPER.install()
+    logger.info(
+        "balance scheduling takes over from vllm-ascend's own balance patch "
+        "(additional_config.%s=true): vLLM's Scheduler, AsyncScheduler, DPEngineCoreProc and "
+        "run_engine_core restored (were: %s)",
+        TAKE_OVER_KEY,
+        "; ".join(foreign),
+    )
