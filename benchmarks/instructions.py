@@ -1,5 +1,9 @@
 """Instructions executed by one ``schedule()``, balance on vs upstream, counted by callgrind.
 
+Also counted: one ``balance_gather()`` vs the same gather without its watchdog lines
+(``run.unwatched_gather``), on a one-rank gloo group: the watchdog's cost on the engine's path
+(issue 24). The gather's own work does not depend on DP beyond the all_gather, so one rank shows it.
+
     python benchmarks/instructions.py                  # DP 8/64/256, 3 repetitions
     python benchmarks/run.py --parts instructions      # the same, as a part of the benchmarks
 
@@ -82,12 +86,20 @@ def _measured(label: str, fn, labels: list[str] | None) -> None:
 
 
 def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
-    from run import _configs, _prepared_scheduler  # same prepared steps as the wall-clock part
+    from run import _configs, _free_port, _prepared_scheduler, unwatched_gather
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
     from vllm.v1.core.sched.scheduler import Scheduler
 
     import vllm_balance
-    from vllm_balance.factories import make_scheduler
+    from vllm_balance.factories import make_scheduler, make_vllm_config
 
+    gatherer = make_scheduler(
+        vllm_balance.BalanceScheduler,
+        make_vllm_config(additional_config={"enable_balance_scheduling": True}),
+    )
+    gatherer.dp_group = stateless_init_torch_distributed_process_group(
+        "127.0.0.1", _free_port(), 0, 1, backend="gloo"
+    )
     labels: list[str] = []
     # Round 0 is an uncounted warm-up: the first run of a code path pays one-time costs
     # (lazy imports, CPython's specializing interpreter, caches) that would land on whichever
@@ -110,6 +122,11 @@ def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
                     _measured(f"{dp}/{workload}/{variant}", sched.schedule, sink)
             gate = make_scheduler(vllm_balance.BalanceScheduler, balance_cfg)
             _measured(f"{dp}/gate/gate-only", gate.leader_at_cap, sink)
+        # The first balance_gather() (round 0) starts the watchdog thread; it keeps running.
+        watched = ("gather/watched", lambda: gatherer.balance_gather())
+        unwatched = ("gather/unwatched", lambda: unwatched_gather(gatherer))
+        for label, gather in (watched, unwatched) if rep % 2 else (unwatched, watched):
+            _measured(label, gather, sink)
     payload = {"labels": labels, "active_path": vllm_balance.active_path()}
     Path(labels_file).write_text(json.dumps(payload))
 
@@ -170,7 +187,19 @@ def measure(dp_sizes: list[int], reps: int) -> dict:
         "active_path": payload["active_path"],
         "reps": reps,
         "rows": _rows(dp_sizes, counts),
+        "gather": _gather_row(counts),
         "counts": counts,
+    }
+
+
+def _gather_row(counts: dict[str, list[int]]) -> dict:
+    watched, unwatched = counts["gather/watched"], counts["gather/unwatched"]
+    base = statistics.median(unwatched)
+    return {
+        "watched_instructions": int(statistics.median(watched)),
+        "unwatched_instructions": int(base),
+        "ratio": round(statistics.median(watched) / base, 5),
+        "spread": round(max(max(v) / min(v) - 1 for v in (watched, unwatched)), 5),
     }
 
 
@@ -213,6 +242,13 @@ def markdown(result: dict) -> str:
         f"{x['on_open_ratio']:.4f}x | {x['on_frozen_ratio']:.4f}x | "
         f"{x['gate_instructions']:,} | {x['spread']:.3%} |"
         for x in result["rows"]
+    ]
+    g = result["gather"]
+    out += [
+        "",
+        f"One `balance_gather()` (one-rank gloo group): {g['watched_instructions']:,} "
+        f"instructions with its watchdog lines, {g['unwatched_instructions']:,} without: "
+        f"{g['ratio']:.4f}x (rep-to-rep spread {g['spread']:.3%}).",
     ]
     return "\n".join(out)
 

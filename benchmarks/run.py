@@ -11,7 +11,8 @@
     order so drift and other load on the machine hit them alike; ratios of medians. Also the
     gate's own per-step cost (``leader_at_cap()``), which is where balance-on time goes.
 (b) ``gather``: per-step cost of ``balance_gather()`` on a real gloo group (DP 2 and 4 processes on
-    loopback) vs one bare ``all_reduce`` and one bare ``all_gather`` of one int32 on the same group.
+    loopback) vs one bare ``all_reduce`` and one bare ``all_gather`` of one int32 on the same group,
+    and vs ``unwatched_gather()``, the same gather without its watchdog lines (issue 24).
 (c) ``sim``: simulated lockstep steps per second, and how wall time grows with DP and requests.
 (d) ``instructions`` (not in the default set: ~15 min under valgrind): instructions executed by
     the same ``schedule()`` steps as (a), counted by callgrind; exact where (a) is noisy. See
@@ -159,6 +160,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def unwatched_gather(scheduler) -> None:
+    """``balance_gather()`` without its two watchdog lines: the baseline of the watchdog's cost.
+
+    The watchdog thread (started by the scheduler's first ``balance_gather()``) is running while
+    this is measured, as it is in serving; what differs is only the timestamp the gather writes.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not scheduler._balance_enabled or scheduler.dp_group is None:
+        return
+    running_count = torch.tensor([len(scheduler.running)], dtype=torch.int32)
+    dist.all_gather(scheduler.balance_queue, running_count, group=scheduler.dp_group)
+    scheduler.observe_gathered()
+
+
 def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import torch
@@ -182,14 +199,16 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
     one = torch.ones(1, dtype=torch.int32)
     bare_out = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
     ops = {
-        "balance_gather": scheduler.balance_gather,
+        "balance_gather": lambda: scheduler.balance_gather(),
+        "unwatched_gather": lambda: unwatched_gather(scheduler),
         "all_reduce": lambda: dist.all_reduce(one, group=group),
         "all_gather": lambda: dist.all_gather(bare_out, one, group=group),
     }
     names = list(ops)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for i in range(iters + 20):
-        for name in names[i % 3 :] + names[: i % 3]:
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
             dist.barrier(group=group)  # start aligned: measure the collective, not the skew
             start = time.perf_counter_ns()
             ops[name]()
@@ -203,12 +222,12 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
     dist.destroy_process_group()
 
 
-def bench_gather(iters: int) -> list[dict]:
+def bench_gather(iters: int, dp_sizes: list[int]) -> list[dict]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     rows = []
-    for world in (2, 4):
+    for world in dp_sizes:
         results = ctx.Queue()
         port = _free_port()
         procs = [
@@ -228,6 +247,10 @@ def bench_gather(iters: int) -> list[dict]:
                 "all_gather_us": round(medians["all_gather"], 1),
                 "gather_vs_all_reduce": round(medians["balance_gather"] / medians["all_reduce"], 3),
                 "gather_vs_all_gather": round(medians["balance_gather"] / medians["all_gather"], 3),
+                "unwatched_gather_us": round(medians["unwatched_gather"], 1),
+                "watched_vs_unwatched": round(
+                    medians["balance_gather"] / medians["unwatched_gather"], 3
+                ),
             }
         )
         print(f"  gather DP={world} done", file=sys.stderr)
@@ -282,14 +305,15 @@ def markdown(results: dict) -> str:
         out += ["", f"Gate decision `leader_at_cap()` alone (median): {gate}.", ""]
     if "gather" in results:
         out += [
-            "| DP | balance_gather µs | bare all_reduce µs | bare all_gather µs "
-            "| gather / all_reduce | gather / all_gather |",
-            "|---|---|---|---|---|---|",
+            "| DP | balance_gather µs | without watchdog µs | bare all_reduce µs "
+            "| bare all_gather µs | gather / without watchdog | gather / all_reduce "
+            "| gather / all_gather |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         out += [
-            f"| {x['dp']} | {x['balance_gather_us']} | {x['all_reduce_us']} | "
-            f"{x['all_gather_us']} | {x['gather_vs_all_reduce']:.2f}x | "
-            f"{x['gather_vs_all_gather']:.2f}x |"
+            f"| {x['dp']} | {x['balance_gather_us']} | {x['unwatched_gather_us']} | "
+            f"{x['all_reduce_us']} | {x['all_gather_us']} | {x['watched_vs_unwatched']:.3f}x | "
+            f"{x['gather_vs_all_reduce']:.2f}x | {x['gather_vs_all_gather']:.2f}x |"
             for x in results["gather"]
         ]
         out.append("")
@@ -321,6 +345,16 @@ def _parts(text: str) -> set[str]:
     return parts
 
 
+def _gather_dp_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 2:  # a gather needs two ranks to cost anything
+        raise argparse.ArgumentTypeError(f"expected DP sizes >= 2, got {text!r}")
+    return sizes
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -328,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--reps", type=int, default=30, help="schedule() repetitions per variant")
     p.add_argument("--gather-iters", type=int, default=500)
+    p.add_argument(
+        "--gather-dp",
+        type=_gather_dp_sizes,
+        default="2,4",
+        help="comma-separated DP sizes (processes) of the gather part",
+    )
     p.add_argument("--instruction-reps", type=int, default=3, help="callgrind measurements")
     p.add_argument("--json", help="also write the results to this file")
     return p
@@ -341,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     if "schedule" in parts:
         results["schedule"] = bench_schedule(args.reps)
     if "gather" in parts:
-        results["gather"] = bench_gather(args.gather_iters)
+        results["gather"] = bench_gather(args.gather_iters, args.gather_dp)
     if "sim" in parts:
         results["sim"] = bench_sim()
     if "instructions" in parts:
