@@ -27,11 +27,15 @@ import argparse
 import gc
 import json
 import os
+import random
 import socket
 import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 DP_SIZES = (8, 64, 256)
@@ -166,9 +170,6 @@ def unwatched_gather(scheduler) -> None:
     The watchdog thread (started by the scheduler's first ``balance_gather()``) is running while
     this is measured, as it is in serving; what differs is only the timestamp the gather writes.
     """
-    import torch
-    import torch.distributed as dist
-
     if not scheduler._balance_enabled or scheduler.dp_group is None:
         return
     running_count = torch.tensor([len(scheduler.running)], dtype=torch.int32)
@@ -178,9 +179,6 @@ def unwatched_gather(scheduler) -> None:
 
 def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    import torch
-    import torch.distributed as dist
-
     import vllm_balance
     from vllm_balance.factories import add_requests, make_requests, make_scheduler, make_vllm_config
     from vllm_balance.factories import step as engine_step
@@ -207,8 +205,11 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
     names = list(ops)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for i in range(iters + 20):
-        k = i % len(names)
-        for name in names[k:] + names[:k]:
+        # A fresh order per iteration, the same on every rank (the collectives must match), so
+        # that no op always runs right after the same other op (a rotation did that).
+        order = list(names)
+        random.Random(i).shuffle(order)
+        for name in order:
             dist.barrier(group=group)  # start aligned: measure the collective, not the skew
             start = time.perf_counter_ns()
             ops[name]()
