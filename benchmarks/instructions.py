@@ -40,6 +40,7 @@ import tempfile
 from pathlib import Path
 
 MARKER = "_PyEval_CallTracing"
+GATHER_CALLS = 200
 VARIANTS = ("upstream", "on-open", "on-frozen", "gate-only")
 WORKLOADS = ("admission", "decode")
 
@@ -96,6 +97,21 @@ def _no_collective(tensor_list, tensor, group=None, async_op=False) -> None:
     """``all_gather`` that does nothing, at a fixed cost: the gathers' own lines stay exact."""
 
 
+def _repeated(gather):
+    """``GATHER_CALLS`` gathers in one counted region.
+
+    Callgrind counts every thread while collection is on, and one gather is only ~40,000
+    instructions: a single one read 38,000-48,000 from call to call (other threads running inside
+    the window). Over many calls that noise is a rounding error.
+    """
+
+    def calls() -> None:
+        for _ in range(GATHER_CALLS):
+            gather()
+
+    return calls
+
+
 def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
     import torch.distributed as dist
     from run import _configs, _free_port, _prepared_scheduler, unwatched_gather
@@ -136,11 +152,11 @@ def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
             gate = make_scheduler(vllm_balance.BalanceScheduler, balance_cfg)
             _measured(f"{dp}/gate/gate-only", gate.leader_at_cap, sink)
         # The first balance_gather() (round 0) starts the watchdog thread; it keeps running.
-        _measured("gather/real", lambda: gatherer.balance_gather(), sink)
+        _measured("gather/real", _repeated(gatherer.balance_gather), sink)
         dist.all_gather = _no_collective
         try:
-            watched = ("gather/watched", lambda: gatherer.balance_gather())
-            unwatched = ("gather/unwatched", lambda: unwatched_gather(gatherer))
+            watched = ("gather/watched", _repeated(gatherer.balance_gather))
+            unwatched = ("gather/unwatched", _repeated(lambda: unwatched_gather(gatherer)))
             for label, gather in (watched, unwatched) if rep % 2 else (unwatched, watched):
                 _measured(label, gather, sink)
         finally:
@@ -210,17 +226,22 @@ def measure(dp_sizes: list[int], reps: int) -> dict:
 
 
 def _gather_row(counts: dict[str, list[int]]) -> dict:
-    watched, unwatched = counts["gather/watched"], counts["gather/unwatched"]
-    real = statistics.median(counts["gather/real"])
+    """Per-gather medians (each count covers ``GATHER_CALLS`` gathers)."""
+    per_call = {
+        name: [total / GATHER_CALLS for total in counts[f"gather/{name}"]]
+        for name in ("watched", "unwatched", "real")
+    }
+    watched, unwatched = per_call["watched"], per_call["unwatched"]
+    real = statistics.median(per_call["real"])
     added = statistics.median(watched) - statistics.median(unwatched)
     return {
-        "watched_instructions": int(statistics.median(watched)),
-        "unwatched_instructions": int(statistics.median(unwatched)),
-        "watchdog_instructions": int(added),
+        "watched_instructions": round(statistics.median(watched)),
+        "unwatched_instructions": round(statistics.median(unwatched)),
+        "watchdog_instructions": round(added),
         "ratio": round(statistics.median(watched) / statistics.median(unwatched), 5),
         "spread": round(max(max(v) / min(v) - 1 for v in (watched, unwatched)), 5),
-        "real_gather_instructions": int(real),
-        "real_spread": round(max(counts["gather/real"]) / min(counts["gather/real"]) - 1, 5),
+        "real_gather_instructions": round(real),
+        "real_spread": round(max(per_call["real"]) / min(per_call["real"]) - 1, 5),
         # The real gather's count includes the watchdog's lines: with / without them.
         "watchdog_vs_real_gather": round(real / (real - added), 5),
     }
@@ -272,7 +293,8 @@ def markdown(result: dict) -> str:
     g = result["gather"]
     out.append(
         f"The gather watchdog on the {result['active_path']} path ({result['reps']} measurements "
-        f"each, medians): `balance_gather()` with the collective stubbed out executes "
+        f"of {GATHER_CALLS} gathers each, medians per gather): `balance_gather()` with the "
+        f"collective stubbed out executes "
         f"{g['watched_instructions']:,} instructions, without the watchdog's lines "
         f"{g['unwatched_instructions']:,} ({g['ratio']:.4f}x, rep-to-rep spread "
         f"{g['spread']:.3%}): the watchdog adds {g['watchdog_instructions']:,} per gather. A real "
