@@ -1,5 +1,11 @@
 """Instructions executed by one ``schedule()``, balance on vs upstream, counted by callgrind.
 
+Also counted (issue 24): the watchdog's cost on the engine's path, as one ``balance_gather()`` vs
+``run.unwatched_gather()`` (the same gather without the watchdog's lines). Both run with the
+collective replaced by a Python no-op, so the two counts are exact and differ by the watchdog's
+lines alone; a real ``balance_gather()`` on a one-rank gloo group is counted beside them as the
+scale (its count moves by several percent from call to call: gloo's worker thread waits and wakes).
+
     python benchmarks/instructions.py                  # DP 8/64/256, 3 repetitions
     python benchmarks/run.py --parts instructions      # the same, as a part of the benchmarks
 
@@ -34,6 +40,7 @@ import tempfile
 from pathlib import Path
 
 MARKER = "_PyEval_CallTracing"
+GATHER_CALLS = 200
 VARIANTS = ("upstream", "on-open", "on-frozen", "gate-only")
 WORKLOADS = ("admission", "decode")
 
@@ -59,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=_positive_int, default=3, help="counted rounds (default 3)")
     p.add_argument("--dp", type=_positive_ints, default="8,64,256", help="comma-separated DP sizes")
+    p.add_argument(
+        "--gather-only",
+        action="store_true",
+        help="count only balance_gather() with and without its watchdog (no schedule() steps)",
+    )
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--child", help=argparse.SUPPRESS)  # labels file; set by the parent only
     return p
@@ -81,13 +93,42 @@ def _measured(label: str, fn, labels: list[str] | None) -> None:
     labels.append(label)
 
 
+def _no_collective(tensor_list, tensor, group=None, async_op=False) -> None:
+    """``all_gather`` that does nothing, at a fixed cost: the gathers' own lines stay exact."""
+
+
+def _repeated(gather):
+    """``GATHER_CALLS`` gathers in one counted region.
+
+    Callgrind counts every thread while collection is on, and one gather is only ~40,000
+    instructions: a single one read 38,000-48,000 from call to call (other threads running inside
+    the window). Over many calls that noise is a rounding error.
+    """
+
+    def calls() -> None:
+        for _ in range(GATHER_CALLS):
+            gather()
+
+    return calls
+
+
 def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
-    from run import _configs, _prepared_scheduler  # same prepared steps as the wall-clock part
+    import torch.distributed as dist
+    from run import _configs, _free_port, _prepared_scheduler, unwatched_gather
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
     from vllm.v1.core.sched.scheduler import Scheduler
 
     import vllm_balance
-    from vllm_balance.factories import make_scheduler
+    from vllm_balance.factories import make_scheduler, make_vllm_config
 
+    gatherer = make_scheduler(
+        vllm_balance.BalanceScheduler,
+        make_vllm_config(additional_config={"enable_balance_scheduling": True}),
+    )
+    gatherer.dp_group = stateless_init_torch_distributed_process_group(
+        "127.0.0.1", _free_port(), 0, 1, backend="gloo"
+    )
+    real_all_gather = dist.all_gather
     labels: list[str] = []
     # Round 0 is an uncounted warm-up: the first run of a code path pays one-time costs
     # (lazy imports, CPython's specializing interpreter, caches) that would land on whichever
@@ -110,6 +151,16 @@ def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
                     _measured(f"{dp}/{workload}/{variant}", sched.schedule, sink)
             gate = make_scheduler(vllm_balance.BalanceScheduler, balance_cfg)
             _measured(f"{dp}/gate/gate-only", gate.leader_at_cap, sink)
+        # The first balance_gather() (round 0) starts the watchdog thread; it keeps running.
+        _measured("gather/real", _repeated(gatherer.balance_gather), sink)
+        dist.all_gather = _no_collective
+        try:
+            watched = ("gather/watched", _repeated(gatherer.balance_gather))
+            unwatched = ("gather/unwatched", _repeated(lambda: unwatched_gather(gatherer)))
+            for label, gather in (watched, unwatched) if rep % 2 else (unwatched, watched):
+                _measured(label, gather, sink)
+        finally:
+            dist.all_gather = real_all_gather
     payload = {"labels": labels, "active_path": vllm_balance.active_path()}
     Path(labels_file).write_text(json.dumps(payload))
 
@@ -148,8 +199,7 @@ def measure(dp_sizes: list[int], reps: int) -> dict:
             str(labels_file),
             "--reps",
             str(reps),
-            "--dp",
-            ",".join(map(str, dp_sizes)),
+            *(["--dp", ",".join(map(str, dp_sizes))] if dp_sizes else ["--gather-only"]),
         ]
         print(
             "  instructions: running under callgrind (minutes: vLLM's import is ~50x slower)",
@@ -170,7 +220,30 @@ def measure(dp_sizes: list[int], reps: int) -> dict:
         "active_path": payload["active_path"],
         "reps": reps,
         "rows": _rows(dp_sizes, counts),
+        "gather": _gather_row(counts),
         "counts": counts,
+    }
+
+
+def _gather_row(counts: dict[str, list[int]]) -> dict:
+    """Per-gather medians (each count covers ``GATHER_CALLS`` gathers)."""
+    per_call = {
+        name: [total / GATHER_CALLS for total in counts[f"gather/{name}"]]
+        for name in ("watched", "unwatched", "real")
+    }
+    watched, unwatched = per_call["watched"], per_call["unwatched"]
+    real = statistics.median(per_call["real"])
+    added = statistics.median(watched) - statistics.median(unwatched)
+    return {
+        "watched_instructions": round(statistics.median(watched)),
+        "unwatched_instructions": round(statistics.median(unwatched)),
+        "watchdog_instructions": round(added),
+        "ratio": round(statistics.median(watched) / statistics.median(unwatched), 5),
+        "spread": round(max(max(v) / min(v) - 1 for v in (watched, unwatched)), 5),
+        "real_gather_instructions": round(real),
+        "real_spread": round(max(per_call["real"]) / min(per_call["real"]) - 1, 5),
+        # The real gather's count includes the watchdog's lines: with / without them.
+        "watchdog_vs_real_gather": round(real / (real - added), 5),
     }
 
 
@@ -200,20 +273,35 @@ def _rows(dp_sizes: list[int], counts: dict[str, list[int]]) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    out = [
-        f"Instructions per `schedule()` on the {result['active_path']} path (callgrind, "
-        f"{result['reps']} measurements each, medians), ratio vs upstream `Scheduler`:",
-        "",
-        "| DP | step | upstream instructions | on, gate open | on, gate frozen "
-        "| gate decision alone | rep-to-rep spread |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    out += [
-        f"| {x['dp']} | {x['workload']} | {x['upstream_instructions']:,} | "
-        f"{x['on_open_ratio']:.4f}x | {x['on_frozen_ratio']:.4f}x | "
-        f"{x['gate_instructions']:,} | {x['spread']:.3%} |"
-        for x in result["rows"]
-    ]
+    out = []
+    if result["rows"]:
+        out += [
+            f"Instructions per `schedule()` on the {result['active_path']} path (callgrind, "
+            f"{result['reps']} measurements each, medians), ratio vs upstream `Scheduler`:",
+            "",
+            "| DP | step | upstream instructions | on, gate open | on, gate frozen "
+            "| gate decision alone | rep-to-rep spread |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {x['dp']} | {x['workload']} | {x['upstream_instructions']:,} | "
+            f"{x['on_open_ratio']:.4f}x | {x['on_frozen_ratio']:.4f}x | "
+            f"{x['gate_instructions']:,} | {x['spread']:.3%} |"
+            for x in result["rows"]
+        ]
+        out.append("")
+    g = result["gather"]
+    out.append(
+        f"The gather watchdog on the {result['active_path']} path ({result['reps']} measurements "
+        f"of {GATHER_CALLS} gathers each, medians per gather): `balance_gather()` with the "
+        f"collective stubbed out executes "
+        f"{g['watched_instructions']:,} instructions, without the watchdog's lines "
+        f"{g['unwatched_instructions']:,} ({g['ratio']:.4f}x, rep-to-rep spread "
+        f"{g['spread']:.3%}): the watchdog adds {g['watchdog_instructions']:,} per gather. A real "
+        f"`balance_gather()` on a one-rank gloo group executes {g['real_gather_instructions']:,} "
+        f"(spread {g['real_spread']:.1%}); with the watchdog's lines it is "
+        f"{g['watchdog_vs_real_gather']:.4f}x what it would be without them."
+    )
     return "\n".join(out)
 
 
@@ -221,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM's first import
     args = build_parser().parse_args(argv)
     dp_sizes = args.dp
+    if args.gather_only:
+        dp_sizes = []
     if args.child:
         child(dp_sizes, args.reps, args.child)
         return 0

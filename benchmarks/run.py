@@ -11,7 +11,8 @@
     order so drift and other load on the machine hit them alike; ratios of medians. Also the
     gate's own per-step cost (``leader_at_cap()``), which is where balance-on time goes.
 (b) ``gather``: per-step cost of ``balance_gather()`` on a real gloo group (DP 2 and 4 processes on
-    loopback) vs one bare ``all_reduce`` and one bare ``all_gather`` of one int32 on the same group.
+    loopback) vs one bare ``all_reduce`` and one bare ``all_gather`` of one int32 on the same group,
+    and vs ``unwatched_gather()``, the same gather without its watchdog lines (issue 24).
 (c) ``sim``: simulated lockstep steps per CPU second at DP 8/64/256, and the wall time of two
     policies run one after the other vs in parallel processes (``--jobs``).
 (d) ``instructions`` (not in the default set: ~15 min under valgrind): instructions executed by
@@ -27,11 +28,15 @@ import argparse
 import gc
 import json
 import os
+import random
 import socket
 import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 DP_SIZES = (8, 64, 256)
@@ -160,11 +165,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def unwatched_gather(scheduler) -> None:
+    """``balance_gather()`` without its two watchdog lines: the baseline of the watchdog's cost.
+
+    The watchdog thread (started by the scheduler's first ``balance_gather()``) is running while
+    this is measured, as it is in serving; what differs is only the timestamp the gather writes.
+    """
+    if not scheduler._balance_enabled or scheduler.dp_group is None:
+        return
+    running_count = torch.tensor([len(scheduler.running)], dtype=torch.int32)
+    dist.all_gather(scheduler.balance_queue, running_count, group=scheduler.dp_group)
+    scheduler.observe_gathered()
+
+
 def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    import torch
-    import torch.distributed as dist
-
     import vllm_balance
     from vllm_balance.factories import add_requests, make_requests, make_scheduler, make_vllm_config
     from vllm_balance.factories import step as engine_step
@@ -183,14 +198,19 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
     one = torch.ones(1, dtype=torch.int32)
     bare_out = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
     ops = {
-        "balance_gather": scheduler.balance_gather,
+        "balance_gather": lambda: scheduler.balance_gather(),
+        "unwatched_gather": lambda: unwatched_gather(scheduler),
         "all_reduce": lambda: dist.all_reduce(one, group=group),
         "all_gather": lambda: dist.all_gather(bare_out, one, group=group),
     }
     names = list(ops)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for i in range(iters + 20):
-        for name in names[i % 3 :] + names[: i % 3]:
+        # A fresh order per iteration, the same on every rank (the collectives must match), so
+        # that no op always runs right after the same other op (a rotation did that).
+        order = list(names)
+        random.Random(i).shuffle(order)
+        for name in order:
             dist.barrier(group=group)  # start aligned: measure the collective, not the skew
             start = time.perf_counter_ns()
             ops[name]()
@@ -204,12 +224,12 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
     dist.destroy_process_group()
 
 
-def bench_gather(iters: int) -> list[dict]:
+def bench_gather(iters: int, dp_sizes: list[int]) -> list[dict]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     rows = []
-    for world in (2, 4):
+    for world in dp_sizes:
         results = ctx.Queue()
         port = _free_port()
         procs = [
@@ -229,6 +249,10 @@ def bench_gather(iters: int) -> list[dict]:
                 "all_gather_us": round(medians["all_gather"], 1),
                 "gather_vs_all_reduce": round(medians["balance_gather"] / medians["all_reduce"], 3),
                 "gather_vs_all_gather": round(medians["balance_gather"] / medians["all_gather"], 3),
+                "unwatched_gather_us": round(medians["unwatched_gather"], 1),
+                "watched_vs_unwatched": round(
+                    medians["balance_gather"] / medians["unwatched_gather"], 3
+                ),
             }
         )
         print(f"  gather DP={world} done", file=sys.stderr)
@@ -302,14 +326,15 @@ def markdown(results: dict) -> str:
         out += ["", f"Gate decision `leader_at_cap()` alone (median): {gate}.", ""]
     if "gather" in results:
         out += [
-            "| DP | balance_gather µs | bare all_reduce µs | bare all_gather µs "
-            "| gather / all_reduce | gather / all_gather |",
-            "|---|---|---|---|---|---|",
+            "| DP | balance_gather µs | without watchdog µs | bare all_reduce µs "
+            "| bare all_gather µs | gather / without watchdog | gather / all_reduce "
+            "| gather / all_gather |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         out += [
-            f"| {x['dp']} | {x['balance_gather_us']} | {x['all_reduce_us']} | "
-            f"{x['all_gather_us']} | {x['gather_vs_all_reduce']:.2f}x | "
-            f"{x['gather_vs_all_gather']:.2f}x |"
+            f"| {x['dp']} | {x['balance_gather_us']} | {x['unwatched_gather_us']} | "
+            f"{x['all_reduce_us']} | {x['all_gather_us']} | {x['watched_vs_unwatched']:.3f}x | "
+            f"{x['gather_vs_all_reduce']:.2f}x | {x['gather_vs_all_gather']:.2f}x |"
             for x in results["gather"]
         ]
         out.append("")
@@ -346,6 +371,16 @@ def _parts(text: str) -> set[str]:
     return parts
 
 
+def _gather_dp_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 2:  # a gather needs two ranks to cost anything
+        raise argparse.ArgumentTypeError(f"expected DP sizes >= 2, got {text!r}")
+    return sizes
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -353,6 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--reps", type=int, default=30, help="schedule() repetitions per variant")
     p.add_argument("--gather-iters", type=int, default=500)
+    p.add_argument(
+        "--gather-dp",
+        type=_gather_dp_sizes,
+        default="2,4",
+        help="comma-separated DP sizes (processes) of the gather part",
+    )
     p.add_argument("--instruction-reps", type=int, default=3, help="callgrind measurements")
     p.add_argument("--json", help="also write the results to this file")
     return p
@@ -366,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if "schedule" in parts:
         results["schedule"] = bench_schedule(args.reps)
     if "gather" in parts:
-        results["gather"] = bench_gather(args.gather_iters)
+        results["gather"] = bench_gather(args.gather_iters, args.gather_dp)
     if "sim" in parts:
         results["sim"] = bench_sim()
     if "instructions" in parts:

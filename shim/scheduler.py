@@ -20,6 +20,8 @@ for a TTFT regression on DeepSeek-V3.1 W4A8) and not "let laggards catch up to t
 from __future__ import annotations
 
 import operator
+import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +32,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_balance.config import balance_enabled, balance_options
 from vllm_balance.shim.stats import BalanceStats, PeriodicLog
+from vllm_balance.shim.watchdog import GatherWatchdog
 
 
 class BalanceSchedulerMixin:
@@ -81,14 +84,40 @@ class BalanceSchedulerMixin:
             self._max_frozen_steps = options.max_frozen_steps
             self._frozen_streak = 0
             self._release_next_step = False
+            self._gather_warn_s = options.gather_warn_s
+            # Started by the first gather: only a scheduler that gathers needs a watchdog thread.
+            self._gather_watchdog: GatherWatchdog | None = None
 
     def balance_gather(self) -> None:
-        """All-gather ``len(self.running)`` into ``balance_queue``; no-op when disabled/no group."""
+        """All-gather ``len(self.running)`` into ``balance_queue``; no-op when disabled/no group.
+
+        A blocked gather looks healthy from outside. The all_gather returns on no rank until
+        every rank has entered it, and gloo fails it only after 30 min (PyTorch's default): a
+        peer that never arrives (a misplaced gather, lesson A; a stuck device kernel; a paused
+        process) leaves the other ranks waiting here silently. On a real vLLM server with lesson
+        A's misplacement, ``/health`` kept answering 200 and the only log line was vLLM's "No
+        available shared memory broadcast block found in 60 seconds". Hence the watchdog
+        (``vllm_balance.shim.watchdog``): its only cost here is the timestamp written before the
+        all_gather and cleared after it.
+        """
         if not self._balance_enabled or self.dp_group is None:
             return
+        watchdog = self._gather_watchdog or self._start_gather_watchdog()
         running_count = torch.tensor([len(self.running)], dtype=torch.int32)
-        dist.all_gather(self.balance_queue, running_count, group=self.dp_group)
+        watchdog.started = time.monotonic()
+        try:
+            dist.all_gather(self.balance_queue, running_count, group=self.dp_group)
+        finally:
+            watchdog.started = None
         self.observe_gathered()
+
+    def _start_gather_watchdog(self) -> GatherWatchdog:
+        watchdog = GatherWatchdog(
+            self._gather_warn_s, self._dp_rank, len(self._gathered_views), self.balance_stats
+        )
+        self._gather_watchdog = watchdog.start()
+        weakref.finalize(self, watchdog.close)  # the thread ends with its scheduler
+        return watchdog
 
     def observe_gathered(self) -> None:
         """Account for a freshly gathered ``balance_queue`` (called by the gather and the sim)."""

@@ -29,6 +29,12 @@ class BalanceStats:
     gathered_min: int = 0
     gathered_mean: float = 0.0
     largest_gap: int = 0
+    # The last gathered vector itself, one count per DP rank (the gather watchdog names them).
+    last_gathered: list[int] = field(default_factory=list)
+    # Gathers the watchdog reported (waited longer than balance_gather_warn_s), and the longest
+    # wait it saw (a gather still in flight counts with its wait so far).
+    blocked_gathers: int = 0
+    longest_gather_wait_s: float = 0.0
     _last_frozen: bool = field(default=False, repr=False)
 
     @property
@@ -37,6 +43,7 @@ class BalanceStats:
 
     def record_gather(self, counts: list[int]) -> None:
         self.gathers += 1
+        self.last_gathered = counts
         self.gathered_max, self.gathered_min = max(counts), min(counts)
         self.gathered_mean = sum(counts) / len(counts)
         self.largest_gap = max(self.largest_gap, self.gathered_max - self.gathered_min)
@@ -56,7 +63,8 @@ class BalanceStats:
             f"Balance DP{dp_rank}: steps={self.steps}, frozen={100 * self.frozen_fraction:.1f}%, "
             f"deferred admissions={self.deferred_admissions}, released={self.released_steps}, "
             f"gathered running max/min/mean={self.gathered_max}/{self.gathered_min}/"
-            f"{self.gathered_mean:.1f}, largest gap={self.largest_gap}"
+            f"{self.gathered_mean:.1f}, largest gap={self.largest_gap}, "
+            f"gather blocked={self.blocked_gathers} (longest {self.longest_gather_wait_s:.1f} s)"
         )
 
 

@@ -292,6 +292,9 @@ def test_vllm_ascend_engine_core_patches_refuse_double_activation(monkeypatch, p
             activation.activate_for(dp_config())
         swapped = registry.DP_ENGINE_CORE_SWAP.is_installed()
     finally:
+        # Ours first (it gives back vllm-ascend's wrapper and forgets it), then the stand-in's:
+        # in the other order the registry would keep the wrapper as what it stands in front of.
+        registry.uninstall_all()
         monkeypatch.undo()  # before restore_patches checks that upstream's objects are back
     message = str(excinfo.value)
     assert message.startswith("balance scheduling is already patched in by vllm-ascend (")

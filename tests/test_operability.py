@@ -35,6 +35,13 @@ def test_default_options_are_the_contract_with_a_ten_second_log_line():
     assert options.max_frozen_steps is None and options.log_interval_s == 10.0
 
 
+def test_gather_watchdog_warns_after_five_seconds_by_default_zero_turns_it_off():
+    assert options_of({}).gather_warn_s == 5.0
+    assert options_of({"balance_gather_warn_s": 0}).gather_warn_s is None
+    nested = {"balance_gather_warn_s": 9, "scheduler_config": {"balance_gather_warn_s": 0.5}}
+    assert options_of(nested).gather_warn_s == 0.5
+
+
 def test_log_line_is_turned_off_with_zero_and_nested_key_wins():
     assert options_of({"balance_log_interval_s": 0}).log_interval_s is None
     nested = {"balance_log_interval_s": 5, "scheduler_config": {"balance_log_interval_s": 2.5}}
@@ -49,6 +56,15 @@ NEED_BOUND = "must be an integer >= 1 (or unset for no bound)"
     [
         ("balance_log_interval_s", "10", "must be a number of seconds >= 0"),
         ("balance_log_interval_s", -1, "must be a number of seconds >= 0"),
+        ("balance_log_interval_s", float("nan"), "must be a number of seconds >= 0"),
+        (
+            "balance_gather_warn_s",
+            "5",
+            "must be a number of seconds >= 0 (0 turns the gather watchdog off), got '5'",
+        ),
+        ("balance_gather_warn_s", -0.5, "must be a number of seconds >= 0"),
+        ("balance_gather_warn_s", float("inf"), "must be a number of seconds >= 0"),
+        ("balance_gather_warn_s", True, "must be a number of seconds >= 0"),
         ("balance_max_frozen_steps", 0, "must be an integer >= 1 (or unset for no bound), got 0"),
         (
             "balance_max_frozen_steps",

@@ -15,6 +15,7 @@ the key and the value, because a silently ignored ``"yes"`` is an outage waiting
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -109,7 +110,9 @@ def balance_enabled(vllm_config: Any) -> bool:
 LOG_INTERVAL_KEY = "balance_log_interval_s"
 MAX_FROZEN_STEPS_KEY = "balance_max_frozen_steps"
 TAKE_OVER_KEY = "balance_take_over_vllm_ascend"
+GATHER_WARN_KEY = "balance_gather_warn_s"
 DEFAULT_LOG_INTERVAL_S = 10.0
+DEFAULT_GATHER_WARN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -124,16 +127,33 @@ class BalanceOptions:
     # Opt-in take-over: where vllm-ascend's own balance patch is active, restore the vLLM names
     # it replaced and run this package instead (vllm_balance.takeover). Off: refuse, as always.
     take_over_vllm_ascend: bool = False
+    # Seconds one gather may wait before the gather watchdog logs an error; None turns the
+    # watchdog off (key set to 0).
+    gather_warn_s: float | None = DEFAULT_GATHER_WARN_S
+
+
+def _seconds_or_off(vllm_config: Any, key: str, default: float, zero_means: str) -> float | None:
+    """A finite number of seconds >= 0 from ``key``; 0 means off (``None``)."""
+    where, value = _additional_value(vllm_config, key)
+    if value is _UNSET:
+        value = default
+    elif (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{where} must be a number of seconds >= 0 ({zero_means}), got {value!r}")
+    return float(value) or None
 
 
 def balance_options(vllm_config: Any) -> BalanceOptions:
-    where, interval = _additional_value(vllm_config, LOG_INTERVAL_KEY)
-    if interval is _UNSET:
-        interval = DEFAULT_LOG_INTERVAL_S
-    elif isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
-        raise ValueError(
-            f"{where} must be a number of seconds >= 0 (0 turns the log line off), got {interval!r}"
-        )
+    interval = _seconds_or_off(
+        vllm_config, LOG_INTERVAL_KEY, DEFAULT_LOG_INTERVAL_S, "0 turns the log line off"
+    )
+    gather_warn = _seconds_or_off(
+        vllm_config, GATHER_WARN_KEY, DEFAULT_GATHER_WARN_S, "0 turns the gather watchdog off"
+    )
     where, bound = _additional_value(vllm_config, MAX_FROZEN_STEPS_KEY)
     if bound is _UNSET or bound is None:
         bound = None
@@ -142,7 +162,8 @@ def balance_options(vllm_config: Any) -> BalanceOptions:
     where, take_over = _additional_value(vllm_config, TAKE_OVER_KEY)
     take_over = False if take_over is _UNSET else _checked_bool(where, take_over)
     return BalanceOptions(
-        log_interval_s=float(interval) or None,
+        log_interval_s=interval,
         max_frozen_steps=bound,
         take_over_vllm_ascend=take_over,
+        gather_warn_s=gather_warn,
     )

@@ -198,12 +198,15 @@ class Cluster:
         cap: int = 4,
         stall_seconds: float = DEFAULT_STALL_SECONDS,
         extra_env: dict[str, str] | None = None,
+        additional_config: dict[str, Any] | None = None,
     ):
         self.dp_size = dp_size
         self.mode = mode
         self.cap = cap
         self.stall_seconds = stall_seconds
         self.extra_env = extra_env or {}
+        # Merged into every rank's additional_config (balance tuning keys).
+        self.additional_config = additional_config or {}
         self.workdir = Path(tempfile.mkdtemp(prefix="vbh-"))
         self.procs: list[Any] = []  # multiprocessing.Process
         self.requests: dict[str, RequestState] = {}
@@ -300,6 +303,7 @@ class Cluster:
                 "log_file": str(self.workdir / f"rank-{rank}.log"),
                 "tmpdir": str(self.workdir),
                 "env": env,
+                "additional_config": self.additional_config,
             }
             proc = context.Process(target=rank_main, args=(spec,), name=f"dp-rank-{rank}")
             proc.start()
@@ -407,11 +411,13 @@ class Cluster:
     def alive(self) -> list[bool]:
         return [proc.is_alive() for proc in self.procs]
 
-    def log_tail(self, rank: int, lines: int = 40) -> str:
+    def log(self, rank: int) -> str:
+        """Everything the rank process wrote to stdout/stderr so far (vLLM's and our log lines)."""
         path = self.workdir / f"rank-{rank}.log"
-        if not path.exists():
-            return ""
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def log_tail(self, rank: int, lines: int = 40) -> str:
+        return "\n".join(self.log(rank).splitlines()[-lines:])
 
     def dump_stacks(self) -> dict[int, str]:
         """Every live rank's thread stacks (faulthandler on SIGUSR1)."""

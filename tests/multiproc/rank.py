@@ -106,6 +106,7 @@ def build_config(spec: dict) -> Any:
     from vllm_balance.factories import make_vllm_config
 
     additional = {} if spec["mode"] == "baseline" else {"enable_balance_scheduling": True}
+    additional.update(spec.get("additional_config", {}))
     return make_vllm_config(
         moe=True,
         max_num_seqs=spec["cap"],

@@ -21,6 +21,7 @@ prefill chunks sample nothing; a request resumed after preemption recomputes pro
 from __future__ import annotations
 
 import os
+import signal
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -39,6 +40,11 @@ KV_BLOCKS = 4096
 SAMPLED_TOKEN = 7
 # Seconds each real forward sleeps: a knob for fault tests that need a rank to be mid-step.
 FORWARD_SECONDS_ENV = "VLLM_BALANCE_HARNESS_FORWARD_SECONDS"
+# "<rank>:<n>": that rank stops itself with SIGSTOP right after its n-th forward's collective, so
+# the next DP collective of every other rank is the balance gather (pick n % 32 != 0: on every
+# 32nd step upstream's all_reduce in _has_global_unfinished_reqs comes first). A pause at a
+# random moment would usually leave the others in the forward's collective instead.
+PAUSE_AFTER_FORWARD_ENV = "VLLM_BALANCE_HARNESS_PAUSE_AFTER_FORWARD"
 
 
 class StandInWorker:
@@ -61,6 +67,9 @@ class StandInWorker:
             backend="gloo",
         )
         self.forward_seconds = float(os.environ.get(FORWARD_SECONDS_ENV, "0") or 0)
+        pause_rank, _, pause_after = os.environ.get(PAUSE_AFTER_FORWARD_ENV, "").partition(":")
+        self.pause_after_forward = int(pause_after) if pause_rank == str(self.dp_rank) else None
+        self.forwards = 0
         # req_id -> [prompt length, tokens known (prompt + sampled), tokens computed]
         self.requests: dict[str, list[int]] = {}
 
@@ -86,6 +95,9 @@ class StandInWorker:
         if self.forward_seconds:
             time.sleep(self.forward_seconds)
         dist.all_reduce(torch.ones(1, dtype=torch.int32), group=self.ep_group)
+        self.forwards += 1
+        if self.forwards == self.pause_after_forward:
+            os.kill(os.getpid(), signal.SIGSTOP)  # the test sends SIGCONT
 
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
         for req_id in scheduler_output.finished_req_ids:

@@ -12,6 +12,8 @@ import pytest
 
 from tests.multiproc.harness import Cluster, Hang, check_trace, main_thread_frames
 from tests.multiproc.traces import drain_early, fixed_traces, late_wave_start
+from tests.multiproc.watchdog_log import WatchdogLine, watchdog_lines
+from vllm_balance.config import GATHER_WARN_KEY
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -20,6 +22,9 @@ FIXED = [trace for dp in DP_SIZES for trace in fixed_traces(dp)]
 # A negative control that has not hung after this long would have been flagged by now: a healthy
 # cluster emits a message every few milliseconds.
 CONTROL_STALL_SECONDS = 6.0
+# The gather watchdog must have reported a control's deadlock well before the harness calls it a
+# hang (issue 24).
+CONTROL_GATHER_WARN_S = 1.0
 
 
 class ClusterPool:
@@ -80,31 +85,53 @@ def test_fixed_traces_drive_the_gate_closed(gate_counts):
     assert saturated and all(n > 0 for n in saturated.values()), saturated
 
 
-def _hang_on(mode: str, trace) -> Hang:
-    cluster = Cluster(trace.dp_size, mode=mode, stall_seconds=CONTROL_STALL_SECONDS)
+def _hang_on(mode: str, trace) -> tuple[Hang, dict[int, list[WatchdogLine]]]:
+    """The control's Hang, and each rank's gather-watchdog lines logged before it was killed."""
+    cluster = Cluster(
+        trace.dp_size,
+        mode=mode,
+        stall_seconds=CONTROL_STALL_SECONDS,
+        additional_config={GATHER_WARN_KEY: CONTROL_GATHER_WARN_S},
+    )
     with cluster:
         with pytest.raises(Hang) as caught:
             cluster.run_trace(trace)
+        watchdog = {rank: watchdog_lines(cluster.log(rank)) for rank in range(trace.dp_size)}
     # close() killed every rank (SIGTERM cannot stop a rank stuck in a collective; SIGKILL does).
     assert cluster.leftover_processes() == []
-    return caught.value
+    return caught.value, watchdog
+
+
+def _assert_watchdog_names_the_ranks_in_the_gather(
+    watchdog: dict[int, list[WatchdogLine]], in_gather: list[int]
+) -> None:
+    """Issue 24: every rank stuck in the gather logged the watchdog error, the others did not."""
+    for rank, lines in watchdog.items():
+        blocked = [line for line in lines if line.kind == "blocked"]
+        if rank in in_gather:
+            assert blocked and blocked[0].rank == rank, (rank, lines)
+            assert blocked[0].seconds >= CONTROL_GATHER_WARN_S, blocked
+        else:
+            assert blocked == [], (rank, lines)
 
 
 def test_lesson_a_gather_inside_schedule_deadlocks():
     """Lesson A: a drained rank never enters schedule(), so it misses the gather."""
-    hang = _hang_on("lesson_a", drain_early(2))
+    hang, watchdog = _hang_on("lesson_a", drain_early(2))
     frames = {rank: main_thread_frames(stack) for rank, stack in hang.stacks.items()}
     in_gather = [r for r, f in frames.items() if "schedule" in f and "balance_gather" in f]
     in_dummy = [r for r, f in frames.items() if "execute_dummy_batch" in f]
     assert in_gather and in_dummy, frames
+    _assert_watchdog_names_the_ranks_in_the_gather(watchdog, in_gather)
 
 
 def test_lesson_b_gather_inside_process_engine_step_deadlocks():
     """Lesson B: at a wave start the woken rank reaches the gather before its dummy forward."""
-    hang = _hang_on("lesson_b", late_wave_start(2))
+    hang, watchdog = _hang_on("lesson_b", late_wave_start(2))
     frames = {rank: main_thread_frames(stack) for rank, stack in hang.stacks.items()}
     in_gather = [
         r for r, f in frames.items() if "_process_engine_step" in f and "balance_gather" in f
     ]
     in_forward = [r for r, f in frames.items() if "execute_model" in f]
     assert in_gather and in_forward, frames
+    _assert_watchdog_names_the_ranks_in_the_gather(watchdog, in_gather)
