@@ -24,7 +24,7 @@ import nox
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tools"))
-from pins import PinError, read_pin  # noqa: E402
+from pins import PIN_NAMES, PinError, read_pin  # noqa: E402
 
 nox.options.sessions = [
     "lint",
@@ -186,14 +186,24 @@ def ascend(session: nox.Session) -> None:
 
 @nox.session(name="vllm-own-tests")
 def vllm_own_tests(session: nox.Session) -> None:
-    """vLLM's own tests/v1/core/test_scheduler.py, patched vs unpatched, at both pins."""
-    for pin_name in ("release-tag", "main-verified"):
-        install_pinned_vllm(session, pin_name)
-        # Each run reports its numbers (passed/skipped/failed per side) on stdout and as JSON.
-        report = Path(session.create_tmp()) / f"vllm-own-tests-{pin_name}.json"
+    """vLLM's own test_scheduler.py and test_async_scheduler.py plus the seam's tests, patched vs
+    unpatched: at both pins, or at the releases given (`nox -s vllm-own-tests -- 0.33.0`).
+
+    Each release's wheel shadows the pinned vLLM on PYTHONPATH (run_vllm_tests.py --release), so
+    one venv serves every release, as in `nox -s reach`.
+    """
+    install_pinned_vllm(session, "release-tag")
+    session.install("-r", "upstream_patch/reach-requirements.txt")
+    releases = session.posargs or [read_pin(name).version for name in PIN_NAMES]
+    for release in releases:
+        if release is None:
+            session.error("a pin is not an exact release: name the release (-- X.Y.Z)")
+        # Each run reports its numbers (passed/skipped/failed per side and file) and as JSON.
+        report = Path(session.create_tmp()) / f"vllm-own-tests-{release}.json"
         session.run(
-            "python", "upstream_patch/run_vllm_tests.py", "--report", str(report), *session.posargs
-        )
+            "python", "upstream_patch/run_vllm_tests.py", "--release", release,
+            "--report", str(report),
+        )  # fmt: skip
 
 
 @nox.session

@@ -18,6 +18,15 @@
 (d) ``instructions`` (not in the default set: ~15 min under valgrind): instructions executed by
     the same ``schedule()`` steps as (a), counted by callgrind; exact where (a) is noisy. See
     ``benchmarks/instructions.py``.
+(e) ``seam`` (not in the default set): what the upstream seam itself costs, upstream's
+    ``Scheduler`` unpatched vs patched (``upstream_patch/``), on the step that calls it most: 1024
+    WAITING requests, ``max_num_seqs`` 256, so one ``schedule()`` admits 256 requests and calls
+    ``_should_stop_admitting_waiting`` 257 times. Three sides in the same rotation as (a):
+    unpatched, patched, and an A/A control (the unpatched source loaded from a copy under another
+    module name, as the patched one is), whose ratio is the noise floor; thread CPU time. Also the
+    method call against the inline expression it replaced (``timeit``, best of 7, which load only
+    ever slows down), times the 257 calls, over the step's median: an upper bound on the ratio
+    that noise cannot blur.
 
 Timings are never asserted anywhere; this prints ratios (and writes them as JSON with --json).
 """
@@ -29,10 +38,10 @@ import gc
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import torch
@@ -41,6 +50,27 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 DP_SIZES = (8, 64, 256)
 CAP = 256
+
+
+def interleaved_timings(
+    groups: dict[Hashable, dict[str, Callable[[], object]]], reps: int
+) -> dict[tuple[Hashable, str], list[tuple[int, int]]]:
+    """(wall ns, thread CPU ns) of one ``schedule()`` per group, variant and repetition.
+
+    Each repetition prepares a fresh scheduler per variant (not timed) and times one
+    ``schedule()``; within a group the variants run in rotating order, so drift and other load on
+    the machine hit them alike.
+    """
+    samples: dict[tuple[Hashable, str], list[tuple[int, int]]] = {}
+    for rep in range(reps):
+        for group, variants in groups.items():
+            names = list(variants)
+            shift = rep % len(names)
+            for name in names[shift:] + names[:shift]:
+                scheduler = variants[name]()
+                samples.setdefault((group, name), []).append(_time_schedule(scheduler))
+        print(f"  rep {rep + 1}/{reps}", file=sys.stderr, end="\r")
+    return samples
 
 
 # -- (a) schedule() ----------------------------------------------------------------------------
@@ -84,15 +114,19 @@ def _prepared_scheduler(cls, vllm_config, workload: str, frozen: bool):
     return scheduler
 
 
-def _time_schedule(scheduler) -> float:
+def _time_schedule(scheduler) -> tuple[int, int]:
     gc.collect()
     gc.disable()
     try:
-        start = time.perf_counter_ns()
+        wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
         scheduler.schedule()
-        return (time.perf_counter_ns() - start) / 1e6
+        return time.perf_counter_ns() - wall, time.thread_time_ns() - cpu
     finally:
         gc.enable()
+
+
+def _median_ms(samples: list[tuple[int, int]], cpu: bool = False) -> float:
+    return statistics.median(sample[cpu] for sample in samples) / 1e6
 
 
 def bench_schedule(reps: int) -> dict:
@@ -102,38 +136,36 @@ def bench_schedule(reps: int) -> dict:
 
     balance_cls = vllm_balance.BalanceScheduler
     configs = {dp: _configs(dp) for dp in DP_SIZES}
-    variants = ("upstream", "on-open", "on-frozen")
-    times: dict[tuple, list[float]] = {}
-    for rep in range(reps):
-        for dp in DP_SIZES:
-            for workload in ("admission", "decode"):
-                order = variants[rep % 3 :] + variants[: rep % 3]  # rotate: no fixed position
-                for variant in order:
-                    upstream_cfg, balance_cfg = configs[dp]
-                    if variant == "upstream":
-                        sched = _prepared_scheduler(Scheduler, upstream_cfg, workload, False)
-                    else:
-                        frozen = variant == "on-frozen"
-                        sched = _prepared_scheduler(balance_cls, balance_cfg, workload, frozen)
-                    times.setdefault((dp, workload, variant), []).append(_time_schedule(sched))
-        print(f"  schedule rep {rep + 1}/{reps}", file=sys.stderr, end="\r")
+    groups = {
+        (dp, workload): {
+            "upstream": lambda c=configs[dp], w=workload: _prepared_scheduler(
+                Scheduler, c[0], w, False
+            ),
+            "on-open": lambda c=configs[dp], w=workload: _prepared_scheduler(
+                balance_cls, c[1], w, False
+            ),
+            "on-frozen": lambda c=configs[dp], w=workload: _prepared_scheduler(
+                balance_cls, c[1], w, True
+            ),
+        }
+        for dp in DP_SIZES
+        for workload in ("admission", "decode")
+    }
+    times = interleaved_timings(groups, reps)
     rows = []
-    for dp in DP_SIZES:
-        for workload in ("admission", "decode"):
-            base = statistics.median(times[(dp, workload, "upstream")])
-            rows.append(
-                {
-                    "dp": dp,
-                    "workload": workload,
-                    "upstream_ms": round(base, 4),
-                    "on_open_ratio": round(
-                        statistics.median(times[(dp, workload, "on-open")]) / base, 4
-                    ),
-                    "on_frozen_ratio": round(
-                        statistics.median(times[(dp, workload, "on-frozen")]) / base, 4
-                    ),
-                }
-            )
+    for dp, workload in groups:
+        base = _median_ms(times[((dp, workload), "upstream")])
+        rows.append(
+            {
+                "dp": dp,
+                "workload": workload,
+                "upstream_ms": round(base, 4),
+                "on_open_ratio": round(_median_ms(times[((dp, workload), "on-open")]) / base, 4),
+                "on_frozen_ratio": round(
+                    _median_ms(times[((dp, workload), "on-frozen")]) / base, 4
+                ),
+            }
+        )
     return {
         "active_path": vllm_balance.active_path(),
         "reps": reps,
@@ -159,12 +191,6 @@ def bench_gate(balance_cls, configs) -> dict:
 
 
 # -- (b) gather --------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def unwatched_gather(scheduler) -> None:
     """``balance_gather()`` without its two watchdog lines: the baseline of the watchdog's cost.
 
@@ -227,11 +253,13 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
 def bench_gather(iters: int, dp_sizes: list[int]) -> list[dict]:
     import multiprocessing as mp
 
+    from vllm.utils.network_utils import get_open_port
+
     ctx = mp.get_context("spawn")
     rows = []
     for world in dp_sizes:
         results = ctx.Queue()
-        port = _free_port()
+        port = get_open_port()
         procs = [
             ctx.Process(target=_gather_worker, args=(r, world, port, iters, results))
             for r in range(world)
@@ -305,6 +333,78 @@ def bench_sim(dp_sizes: tuple[int, ...] = DP_SIZES) -> list[dict]:
     return rows
 
 
+# -- (e) the upstream seam itself --------------------------------------------------------------
+SEAM_WAITING = 1024
+SEAM_PROMPT_LEN = 32
+
+
+def bench_seam(reps: int) -> dict:
+    import inspect
+    import timeit
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import seam_differential  # puts upstream_patch/ on sys.path
+    from seam_patch import SEAM_METHOD, load_scheduler_module, split_at_seam_method
+
+    from vllm_balance.factories import make_request, make_scheduler, make_vllm_config, request_specs
+
+    twins = seam_differential.twins()
+    config = make_vllm_config(
+        max_num_seqs=CAP,
+        max_num_batched_tokens=CAP * SEAM_PROMPT_LEN,
+        num_gpu_blocks=SEAM_WAITING * 4,
+    )
+    specs = request_specs(SEAM_WAITING, prompt_len=SEAM_PROMPT_LEN, max_tokens=16)
+
+    def with_waiting(cls):
+        def prepare():
+            scheduler = make_scheduler(cls, vllm_config=config)
+            for spec in specs:
+                scheduler.add_request(make_request(spec))
+            return scheduler
+
+        return prepare
+
+    unpatched_source = inspect.getsource(sys.modules[twins.unpatched.__module__])
+    control = load_scheduler_module(unpatched_source, "vllm_balance_bench_aa_control").Scheduler
+    classes = {"unpatched": twins.unpatched, "patched": twins.patched, "aa_control": control}
+    groups = {"seam": {name: with_waiting(cls) for name, cls in classes.items()}}
+    interleaved_timings(groups, 1)  # warm-up: imports, caches, first-call costs
+    times = {name: samples for (_, name), samples in interleaved_timings(groups, reps).items()}
+
+    # The seam call against its default body inline, in the state of the step's last check.
+    scheduler = with_waiting(twins.patched)()
+    assert len(scheduler.schedule().scheduled_new_reqs) == CAP
+    method = getattr(scheduler, SEAM_METHOD)
+    body = split_at_seam_method(twins.patched_source)[1].split('"""')[-1]
+    statements = [ln.strip() for ln in body.splitlines() if ln.strip()]
+    # The default body as statements, with `return X` turned into an expression statement.
+    inline = "\n".join(ln.removeprefix("return ") for ln in statements if not ln.startswith("#"))
+    number = 20_000
+    call_ns = min(timeit.repeat(method, number=number, repeat=7)) / number * 1e9
+    inline_repeats = timeit.repeat(inline, globals={"self": scheduler}, number=number, repeat=7)
+    inline_ns = min(inline_repeats) / number * 1e9
+    step_ms = _median_ms(times["unpatched"], cpu=True)
+
+    def ratio(name: str, cpu: bool) -> float:
+        return round(_median_ms(times[name], cpu) / _median_ms(times["unpatched"], cpu), 4)
+
+    return {
+        "series": twins.series_ref,
+        "waiting": SEAM_WAITING,
+        "max_num_seqs": CAP,
+        "reps": reps,
+        "median_cpu_ms": {name: round(_median_ms(t, cpu=True), 3) for name, t in times.items()},
+        "cpu_ratio_patched": ratio("patched", cpu=True),
+        "cpu_ratio_aa_control": ratio("aa_control", cpu=True),
+        "wall_ratio_patched": ratio("patched", cpu=False),
+        "wall_ratio_aa_control": ratio("aa_control", cpu=False),
+        "seam_call_ns": round(call_ns),
+        "inline_check_ns": round(inline_ns),
+        "bound_ratio": round(1 + (CAP + 1) * max(call_ns - inline_ns, 0.0) / (step_ms * 1e6), 4),
+    }
+
+
 # -- report ------------------------------------------------------------------------------------
 def markdown(results: dict) -> str:
     out = []
@@ -357,10 +457,23 @@ def markdown(results: dict) -> str:
         import instructions
 
         out += ["", instructions.markdown(results["instructions"])]
+    if "seam" in results:
+        r = results["seam"]
+        ms = r["median_cpu_ms"]
+        out += [
+            "",
+            f"Seam ({r['series']}): schedule() admitting {r['max_num_seqs']} of {r['waiting']} "
+            f"waiting, {r['reps']} rotating repetitions, median CPU ms: unpatched "
+            f"{ms['unpatched']:.3f}, patched {ms['patched']:.3f}, A/A control "
+            f"{ms['aa_control']:.3f}; ratio patched/unpatched {r['cpu_ratio_patched']:.4f} (A/A "
+            f"{r['cpu_ratio_aa_control']:.4f}); wall ratio {r['wall_ratio_patched']:.4f} (A/A "
+            f"{r['wall_ratio_aa_control']:.4f}); seam call {r['seam_call_ns']} ns vs inline "
+            f"{r['inline_check_ns']} ns -> bound {r['bound_ratio']:.4f}",
+        ]
     return "\n".join(out)
 
 
-PARTS = ("schedule", "gather", "sim", "instructions")
+PARTS = ("schedule", "gather", "sim", "instructions", "seam")
 
 
 def _parts(text: str) -> set[str]:
@@ -395,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated DP sizes (processes) of the gather part",
     )
     p.add_argument("--instruction-reps", type=int, default=3, help="callgrind measurements")
+    p.add_argument("--seam-reps", type=int, default=41, help="seam repetitions per side")
     p.add_argument("--json", help="also write the results to this file")
     return p
 
@@ -414,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
         import instructions  # benchmarks/ is on sys.path: this script's own folder
 
         results["instructions"] = instructions.measure(list(DP_SIZES), args.instruction_reps)
+    if "seam" in parts:
+        results["seam"] = bench_seam(args.seam_reps)
     results["command"] = "python benchmarks/run.py " + " ".join(argv or sys.argv[1:])
     emit(results, markdown(results), args.json)
     return 0

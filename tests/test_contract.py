@@ -5,7 +5,6 @@ Runs unchanged on every path: compat (no seam) and shim (seam sessions).
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
@@ -208,12 +207,6 @@ def test_contract2_same_outputs_as_upstream_over_a_multistep_run(enabled):
 # Contract 3: one all_gather per balance_gather(), payload len(running), the injected group.
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_as_ranks(*calls, timeout: float = 60.0) -> list:
     """Run one call per DP rank concurrently (a collective blocks until every rank joins).
 
@@ -245,8 +238,9 @@ def run_as_ranks(*calls, timeout: float = 60.0) -> list:
 def gloo_groups(world_size: int):
     """A real gloo group per rank, created concurrently (each rank blocks until all join)."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+    from vllm.utils.network_utils import get_open_port
 
-    port = free_port()
+    port = get_open_port()
 
     def join(rank: int):
         return lambda: stateless_init_torch_distributed_process_group(

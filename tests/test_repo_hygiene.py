@@ -89,8 +89,9 @@ def test_vllm_versions_are_written_only_in_pin_files():
     assert offenders == []
 
 
-def test_no_vllm_source_text_outside_upstream_patch():
-    """Shared runs of >= 6 code lines with the installed vLLM's scheduler.py / core.py."""
+def test_no_vllm_source_text_outside_the_series():
+    """Shared runs of >= 6 code lines with the installed vLLM's scheduler.py / core.py, anywhere
+    but the seam series and diff blocks in docs."""
     import vllm
 
     sys.path.insert(0, str(ROOT / "tools"))
@@ -101,3 +102,23 @@ def test_no_vllm_source_text_outside_upstream_patch():
     if found is None:
         pytest.fail("tools/check_no_vllm_source.py could not read the installed vLLM")
     assert found == []
+
+
+def test_no_vllm_source_check_finds_pasted_lines_but_not_a_quoted_diff(tmp_path):
+    """Negative control for the check above: six of the scheduler's lines pasted into a doc are
+    found; the same lines as context in a ```diff block (how the PR description quotes the seam)
+    are not."""
+    import vllm
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from check_no_vllm_source import code_lines, shared_runs
+
+    vllm_dir = Path(vllm.__file__).parent
+    scheduler = vllm_dir / "v1/core/sched/scheduler.py"
+    pasted = [text for text, _ in code_lines(scheduler)[200:206]]
+    (tmp_path / "pasted.md").write_text("\n".join(["# Notes", *pasted, ""]))
+    (tmp_path / "quoted.md").write_text("\n".join(["```diff", *pasted, "```", ""]))
+
+    found = shared_runs(tmp_path, vllm_dir)
+
+    assert [line.split(":")[0] for line in found] == ["pasted.md"]

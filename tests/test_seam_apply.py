@@ -2,7 +2,8 @@
 
 ``git`` mode runs on a scratch git repository holding the installed vLLM's scheduler.py at
 upstream's path (the unpatched text: reverted first if the seam sessions patched the install), so
-``git am`` meets the same blobs it meets on a real vLLM checkout. ``installed`` mode writes to a
+``git apply`` meets the same blobs it meets on a real vLLM checkout; the commit's author is the
+identity in the (test's) git configuration, never one the series invents. ``installed`` mode writes to a
 copy of the installed tree (``--root``); against the real install it runs only as ``--check``,
 because the shared test venvs must not change (the nox seam sessions apply it for real, and
 tests/test_seam_neutrality.py checks that they did).
@@ -22,42 +23,45 @@ ROOT = Path(__file__).resolve().parent.parent
 APPLY = ROOT / "upstream_patch" / "apply.py"
 sys.path.insert(0, str(ROOT / "upstream_patch"))
 
+from make_series import serving_series  # noqa: E402
 from seam_patch import (  # noqa: E402
     SCHEDULER_PATH,
     SEAM_METHOD,
+    SEAM_TEST_PATH,
     installed_version,
     installed_vllm_root,
     match_series,
     scheduler_text,
 )
 
-GIT_ENV = {
-    "GIT_CONFIG_GLOBAL": os.devnull,
-    "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_AUTHOR_NAME": "test",
-    "GIT_AUTHOR_EMAIL": "test@example.invalid",
-    "GIT_COMMITTER_NAME": "test",
-    "GIT_COMMITTER_EMAIL": "test@example.invalid",
-}
+# The submitter's git configuration, as a test stands it in: apply.py must use it, not invent one.
+SUBMITTER = "Test Submitter <submitter@example.com>"
+USER_CONFIG = "[user]\n\tname = Test Submitter\n\temail = submitter@example.com\n"
 
 
-def run_apply(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+@pytest.fixture(autouse=True)
+def git_env(tmp_path, monkeypatch):
+    """Git sees only the test's configuration: no system or user-level settings, no identity from
+    the environment."""
+    config = tmp_path / "gitconfig"
+    config.write_text(USER_CONFIG)
+    for name in ("AUTHOR", "COMMITTER"):
+        monkeypatch.delenv(f"GIT_{name}_NAME", raising=False)
+        monkeypatch.delenv(f"GIT_{name}_EMAIL", raising=False)
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    return config
+
+
+def run_apply(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(APPLY), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=120,
+        [sys.executable, str(APPLY), *args], capture_output=True, text=True, timeout=120
     )
 
 
 def git(repo: Path, *args: str) -> str:
     return subprocess.run(
-        ["git", "-C", str(repo), *args],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, **GIT_ENV},
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True
     ).stdout.strip()
 
 
@@ -80,9 +84,10 @@ def match(installed_source):
 
 @pytest.fixture(scope="module")
 def inline_check(match) -> str:
-    """The inline stop check the series replaces (a line inside its hunk)."""
-    (diff,) = match.series.scheduler_diffs()
-    return [ln[1:] for h in diff.hunks for ln in h.lines if ln[0] == "-"][-1].rstrip("\n")
+    """The inline stop check the series replaces (the last line its scheduler diff removes)."""
+    text = match.series.patches[0].read_text(encoding="utf-8")
+    scheduler_part = text.split(f"+++ b/{SCHEDULER_PATH}\n", 1)[1]
+    return [ln[1:] for ln in scheduler_part.splitlines() if ln.startswith("-")][-1]
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +102,8 @@ def patched_source(unpatched_source, match) -> str:
     return scheduler_text(unpatched_source, match.series)
 
 
-def test_series_for_the_installed_vllm_is_the_one_named_after_its_version(match):
-    version = installed_version()
-    assert match.series.ref == f"v{version}"
+def test_series_for_the_installed_vllm_is_the_one_that_serves_its_version(match):
+    assert match.series == serving_series(installed_version())
 
 
 # ------------------------------------------------------------------------------ installed mode
@@ -166,43 +170,68 @@ def test_installed_refuses_a_scheduler_the_series_does_not_fit_and_writes_nothin
 
 
 @pytest.fixture
-def vllm_repo(tmp_path, unpatched_source, match) -> Path:
-    """A git repository with the release's scheduler.py at upstream's path, tagged as the ref."""
+def vllm_repo(tmp_path, unpatched_source) -> Path:
+    """A git repository with the release's scheduler.py at upstream's path, tagged as the
+    installed release (which may have no series of its own: the newer one serves it)."""
     repo = tmp_path / "vllm"
     (repo / SCHEDULER_PATH).parent.mkdir(parents=True)
     (repo / SCHEDULER_PATH).write_text(unpatched_source, encoding="utf-8")
     git(tmp_path, "init", "-q", "-b", "main", str(repo))
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "release")
-    git(repo, "tag", match.series.ref)
+    git(repo, "tag", f"v{installed_version()}")
     return repo
 
 
-def test_git_builds_the_fork_branch_with_the_series_commit(vllm_repo, match, patched_source):
-    result = run_apply("git", str(vllm_repo), "--ref", match.series.ref, env=GIT_ENV)
+def test_git_commits_the_series_as_the_configured_user_without_sign_off(
+    vllm_repo, match, patched_source
+):
+    ref = f"v{installed_version()}"
+
+    result = run_apply("git", str(vllm_repo), "--ref", ref)
 
     assert result.returncode == 0, result.stderr
     branch = f"admission-seam-{match.series.ref}"
     assert git(vllm_repo, "rev-parse", "--abbrev-ref", "HEAD") == branch
-    assert git(vllm_repo, "rev-parse", f"{branch}~1") == git(
-        vllm_repo, "rev-parse", match.series.ref
-    )
-    subject = git(vllm_repo, "log", "-1", "--format=%s")
-    assert subject.startswith("[Core] ")  # git am keeps vLLM's [Tag] (--keep-non-patch)
-    assert "Signed-off-by: vllm-balance-scheduling developers" in git(
-        vllm_repo, "log", "-1", "--format=%b"
-    )
+    assert git(vllm_repo, "rev-parse", f"{branch}~1") == git(vllm_repo, "rev-parse", ref)
+    assert git(vllm_repo, "log", "-1", "--format=%an <%ae>|%cn <%ce>") == f"{SUBMITTER}|{SUBMITTER}"
+    assert git(vllm_repo, "log", "-1", "--format=%s").startswith("[Core] ")
+    assert "Signed-off-by" not in git(vllm_repo, "log", "-1", "--format=%B")
     assert (vllm_repo / SCHEDULER_PATH).read_text(encoding="utf-8") == patched_source
-    test_file = vllm_repo / "tests/v1/core/test_scheduler_admission_seam.py"
-    assert f"def {SEAM_METHOD}(self) -> bool:" in test_file.read_text(encoding="utf-8")
+    test_file = vllm_repo / SEAM_TEST_PATH
+    assert f"{SEAM_METHOD}" in test_file.read_text(encoding="utf-8")
     assert git(vllm_repo, "status", "--porcelain") == ""
 
 
-def test_git_again_says_the_branch_is_built(vllm_repo, match):
-    assert run_apply("git", str(vllm_repo), "--ref", match.series.ref, env=GIT_ENV).returncode == 0
+def test_git_signoff_is_the_configured_user(vllm_repo):
+    result = run_apply("git", str(vllm_repo), "--ref", f"v{installed_version()}", "--signoff")
+
+    assert result.returncode == 0, result.stderr
+    trailers = git(vllm_repo, "log", "-1", "--format=%(trailers:key=Signed-off-by,valueonly)")
+    assert trailers == SUBMITTER
+
+
+def test_git_without_an_identity_refuses_and_leaves_no_branch(vllm_repo, git_env):
+    # A user with no name/email configured: git refuses to commit; nothing is made up instead.
+    git_env.write_text("[user]\n\tuseConfigOnly = true\n")
+    head = git(vllm_repo, "rev-parse", "HEAD")
+
+    result = run_apply("git", str(vllm_repo), "--ref", f"v{installed_version()}")
+
+    assert_one_line_error(result)
+    assert "branch removed" in result.stderr
+    assert git(vllm_repo, "rev-parse", "HEAD") == head
+    assert git(vllm_repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+    assert git(vllm_repo, "branch", "--list", "admission-seam-*") == ""
+    assert git(vllm_repo, "status", "--porcelain") == ""
+
+
+def test_git_again_says_the_branch_is_built(vllm_repo):
+    ref = f"v{installed_version()}"
+    assert run_apply("git", str(vllm_repo), "--ref", ref).returncode == 0
     git(vllm_repo, "checkout", "-q", "main")
 
-    result = run_apply("git", str(vllm_repo), "--ref", match.series.ref, env=GIT_ENV)
+    result = run_apply("git", str(vllm_repo), "--ref", ref)
 
     assert result.returncode == 0
     assert "already carries the seam; nothing to do" in result.stdout
@@ -216,7 +245,7 @@ def test_git_never_half_applies_a_series_that_does_not_fit(vllm_repo, inline_che
     head = git(vllm_repo, "rev-parse", "HEAD")
 
     # No series is named after HEAD, so every series is tried, each on a scratch index.
-    result = run_apply("git", str(vllm_repo), "--ref", "HEAD", env=GIT_ENV)
+    result = run_apply("git", str(vllm_repo), "--ref", "HEAD")
 
     assert_one_line_error(result)
     assert "no seam series applies to HEAD" in result.stderr

@@ -1,6 +1,6 @@
 """The upstream seam changes no behaviour: differential tests of the unpatched vs patched Scheduler.
 
-Both classes come from the installed vLLM (see upstream_patch/differential.py): its own
+Both classes come from the installed vLLM (see tests/seam_differential.py): its own
 ``Scheduler`` and a copy of its scheduler module with the series applied, or reverted when the
 seam sessions have patched the installed vLLM. They run the same workloads and must agree on
 every ``SchedulerOutput``, request output and queue state, step by step.
@@ -13,21 +13,13 @@ aborts, max_num_seqs hit), and two deliberately wrong seams must be caught by th
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
+import seam_differential as differential
+from factories import BLOCK_SIZE, RequestSpec
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "upstream_patch"))
-
-import differential  # noqa: E402
-from differential import Divergence, Workload  # noqa: E402
-from seam_patch import SEAM_METHOD  # noqa: E402
-
-from vllm_balance.factories import BLOCK_SIZE, RequestSpec  # noqa: E402
+from seam_differential import SEAM_METHOD, Divergence, Workload
 
 # Two shared prefixes (whole blocks, so they can be cached) and none.
 PREFIXES = ((), tuple(range(900, 900 + 2 * BLOCK_SIZE)), tuple(range(600, 600 + 3 * BLOCK_SIZE)))

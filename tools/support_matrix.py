@@ -2,7 +2,8 @@
 """Generate (or check) docs/support-matrix.md from the repository's own records.
 
 Which path runs on a vLLM release, and what backs it, follows from four places: the pin files
-(pins/*.txt, what CI runs), the seam series (upstream_patch/v<release>/), the verified fingerprints
+(pins/*.txt, what CI runs), the seam series (upstream_patch/v<release>/, and which one serves each
+release as reach recorded it), the verified fingerprints
 the compat path accepts at run time (compat/fingerprints.json) and the per-release runs of
 ``nox -s reach`` (docs/reach-evidence.json). Generating the table from them means it cannot drift:
 ``tests/test_repo_hygiene.py`` runs ``--check`` in every test session. A cell says "verified"
@@ -18,10 +19,12 @@ import json
 import sys
 from pathlib import Path
 
+from packaging.version import Version
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "upstream_patch"))
-from seam_patch import all_series, version_key  # noqa: E402
+from seam_patch import all_series  # noqa: E402
 
 from pins import PIN_NAMES, read_pin  # noqa: E402
 
@@ -39,7 +42,8 @@ session checks it is current. Seam patch results per release: [seam reach](seam-
 """
 LEGEND = """
 - **usable**: compat runs only where `compat/fingerprints.json` lists the release's `schedule()`
-  fingerprint; shim needs the release's seam series applied.
+  fingerprint; shim needs the seam series that serves the release applied (its own, or the
+  nearest newer one with the same patch text, as `nox -s reach` found).
 - **verdict**: `verified` when the reach run of that release and path passed all three checks;
   `CI` when a test session runs it on every change (the pins).
 - **differential**: tests/test_differential.py and tests/test_gate_oracle.py (gate open vs
@@ -109,10 +113,13 @@ def _path_row(release: str, path: str, run: dict | None, pin: str | None, usable
 
 def render(today: str) -> str:
     pinned = {read_pin(name).version: name for name in PIN_NAMES}
-    series = {s.ref.removeprefix("v") for s in all_series()}
     compat = {e["release"] for e in json.loads(FINGERPRINTS.read_text())["verified"]}
     evidence = json.loads(EVIDENCE.read_text()) if EVIDENCE.exists() else {}
-    releases = sorted(series | compat | set(evidence) | set(pinned) - {None}, key=version_key)
+    series = {s.ref.removeprefix("v"): s.ref for s in all_series()}
+    for release, runs in evidence.items():
+        if runs.get("seam", {}).get("applies") == "yes":
+            series[release] = runs["seam"]["series"]
+    releases = sorted(set(series) | compat | set(evidence) | set(pinned) - {None}, key=Version)
     rows, costs, cpu = [], [], []
     for release in releases:
         runs = evidence.get(release, {})
@@ -120,7 +127,7 @@ def render(today: str) -> str:
         name = f"{release} ({pin})" if pin else release
         usable = {
             "compat": "yes (fingerprint verified)" if release in compat else "refused (unverified)",
-            "shim": f"with `upstream_patch/v{release}/`" if release in series else "no series",
+            "shim": f"with `upstream_patch/{series[release]}/`" if release in series else "no series",
         }
         rows += [_path_row(name, path, runs.get(path), pin, usable[path]) for path in usable]
         if "cost" in runs:

@@ -1,20 +1,21 @@
 """Apply the seam series: build the fork branch on a vLLM checkout, or patch an installed vLLM.
 
-    python upstream_patch/apply.py git <vllm-checkout> [--ref REF] [--branch NAME]
+    python upstream_patch/apply.py git <vllm-checkout> [--ref REF] [--branch NAME] [--signoff]
     python upstream_patch/apply.py installed [--check] [--revert] [--root SITE_DIR]
 
-``git``: checks that the series for REF applies (on a scratch index, nothing in the checkout is
-touched), then creates a branch at REF and ``git am``s the series onto it (author, message and
-Signed-off-by as in the patches). The series is the directory named after REF when there is one
-(``--ref v0.24.0``), else the first series, newest first, that applies to REF.
+``git``: checks that the series for REF applies (``git apply --cached`` on a scratch index: nothing
+in the checkout is touched), then creates a branch at REF and commits each patch of the series with
+its message (``git apply --index`` and ``git commit``). Author and committer are yours, from your
+git configuration: the series carries no identity. ``--signoff`` adds your ``Signed-off-by`` (vLLM
+requires a DCO sign-off; without it, ``git commit --amend -s`` later). The series is the one stored
+under REF's name when there is one (``--ref v0.33.0``), else the first series, newest first, that
+applies to REF.
 
 ``installed``: patches the non-test part (``vllm/...``) of the series into the vLLM that this
-interpreter imports, found with importlib without importing it. The series is picked by trying,
-in this order, the directory named after the installed version and then every other series newest
-first; the first one that applies exactly is used. Matching the version alone would refuse a
-post-release or fork build whose scheduler is unchanged from a release; trying alone could pick a
-neighbour's series, which is harmless (it applied without fuzz, so the result is the same text)
-but makes the message confusing, hence the version goes first.
+interpreter imports, found with importlib without importing it. The series is the first one that
+applies exactly, trying first the one that serves the installed version (its own, or the newer one
+with the same text) and then every other series newest first: matching the version alone would
+refuse a post-release or fork build whose scheduler is unchanged from a release.
 
 Both modes check everything before changing anything, and either apply the whole series or
 nothing; a series that does not apply fails with one line on stderr and exit status 1. Running
@@ -37,16 +38,12 @@ from seam_patch import (  # noqa: E402
     PatchError,
     Series,
     all_series,
-    apply_diffs,
+    apply_series,
+    first_line,
     installed_version,
     installed_vllm_root,
     match_series,
     series_for_ref,
-)
-
-DEFAULT_IDENTITY = (
-    "vllm-balance-scheduling developers",
-    "developers@vllm-balance-scheduling.invalid",
 )
 
 
@@ -80,16 +77,15 @@ def apply_installed(root: Path | None, check: bool, revert: bool) -> str:
     if match.already_seamed != revert:
         state = "already applied" if not revert else "not applied"
         return f"{where}: series {series.ref} {state}; nothing to do"
-    diffs = series.file_diffs(include_tests=False)
-    current = {d.path: _read(root / d.path) for d in diffs}
+    # The series' scheduler change is all of its non-test part; the test file is for vLLM's tree.
     try:
-        new_texts = apply_diffs(current, diffs, reverse=revert)
+        new_texts = apply_series({SCHEDULER_PATH: source}, series, revert, include="vllm/*")
     except PatchError as exc:
         raise ApplyError(f"{where}: series {series.ref} does not apply: {exc}") from exc
     verb = "reverts" if revert else "applies"
     if check:
         return f"{where}: series {series.ref} {verb} cleanly (--check: nothing written)"
-    # Every new text exists in memory; write each one atomically (rename over the original).
+    # Every new text exists already; write each one atomically (rename over the original).
     for rel, text in new_texts.items():
         target = root / rel
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
@@ -102,25 +98,16 @@ def apply_installed(root: Path | None, check: bool, revert: bool) -> str:
     return f"{where}: series {series.ref} {done} ({', '.join(sorted(new_texts))})"
 
 
-def _read(path: Path) -> str | None:
-    return path.read_text(encoding="utf-8") if path.exists() else None
-
-
 # ----------------------------------------------------------------------------------- git mode
 
 
-def _git(repo: Path, *args: str, env: dict | None = None, check: bool = True):
+def _git(repo: Path, *args: str, env: dict | None = None, check: bool = True, stdin: str = ""):
     result = subprocess.run(
-        ["git", "-C", str(repo), *args], capture_output=True, text=True, env=env
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, env=env, input=stdin
     )
     if check and result.returncode != 0:
-        raise ApplyError(f"git {' '.join(args)}: {_first_line(result.stderr or result.stdout)}")
+        raise ApplyError(f"git {' '.join(args)}: {first_line(result.stderr or result.stdout)}")
     return result
-
-
-def _first_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return lines[0] if lines else "(no output)"
 
 
 def _series_applies(repo: Path, ref: str, series: Series) -> str | None:
@@ -134,7 +121,7 @@ def _series_applies(repo: Path, ref: str, series: Series) -> str | None:
         for patch in series.patches:
             result = _git(repo, "apply", "--cached", str(patch), env=env, check=False)
             if result.returncode != 0:
-                return f"{patch.name}: {_first_line(result.stderr)}"
+                return f"{patch.name}: {first_line(result.stderr)}"
     return None
 
 
@@ -143,7 +130,12 @@ def _has_seam(repo: Path, rev: str) -> bool:
     return shown.returncode == 0 and f"def {SEAM_METHOD}(" in shown.stdout
 
 
-def build_branch(repo: Path, ref: str, branch: str | None) -> str:
+def commit_message(patch: Path) -> str:
+    """The message a patch file starts with (``make_series.py`` writes it above ``---``)."""
+    return patch.read_text(encoding="utf-8").split("\n---\n", 1)[0] + "\n"
+
+
+def build_branch(repo: Path, ref: str, branch: str | None, signoff: bool = False) -> str:
     if _git(repo, "rev-parse", "--git-dir", check=False).returncode != 0:
         raise ApplyError(f"{repo} is not a git checkout")
     if _git(repo, "rev-parse", "--verify", "-q", f"{ref}^{{commit}}", check=False).returncode:
@@ -178,24 +170,22 @@ def build_branch(repo: Path, ref: str, branch: str | None) -> str:
     original = _git(repo, "rev-parse", "--abbrev-ref", "HEAD").stdout.strip()
     if original == "HEAD":
         original = _git(repo, "rev-parse", "HEAD").stdout.strip()
-    env = dict(os.environ)
-    # git am keeps each patch's author; the committer is the local user, or our identity on a
-    # machine with none configured (CI), so a bare checkout still works.
-    if _git(repo, "config", "user.email", check=False).returncode != 0:
-        env.setdefault("GIT_COMMITTER_NAME", DEFAULT_IDENTITY[0])
-        env.setdefault("GIT_COMMITTER_EMAIL", DEFAULT_IDENTITY[1])
     _git(repo, "checkout", "-q", "-b", branch, ref)
-    result = _git(
-        repo, "am", "-q", "--keep-non-patch", *map(str, series.patches), env=env, check=False
-    )
-    if result.returncode != 0:
-        # Checked above, so this is unexpected (e.g. a hook); leave no half-built branch behind.
-        _git(repo, "am", "--abort", check=False)
+    try:
+        for patch in series.patches:
+            _git(repo, "apply", "--index", str(patch))
+            # Author and committer come from the user's git configuration; none is invented.
+            signed = ["--signoff"] if signoff else []
+            _git(repo, "commit", "-q", *signed, "-F", "-", stdin=commit_message(patch))
+    except ApplyError as exc:
+        # The series was checked above, so this is git refusing to commit (no user.name or
+        # user.email configured, a hook): leave no half-built branch behind.
+        _git(repo, "reset", "-q", "--hard", check=False)
         _git(repo, "checkout", "-q", original, check=False)
         _git(repo, "branch", "-D", branch, check=False)
-        raise ApplyError(f"{repo}: git am failed, branch removed: {_first_line(result.stderr)}")
+        raise ApplyError(f"{repo}: {exc}; branch removed") from exc
     count = len(series.patches)
-    return f"{repo}: branch {branch} = {ref} + series {series.ref} ({count} patch(es))"
+    return f"{repo}: branch {branch} = {ref} + series {series.ref} ({count} commit(s))"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     git_mode.add_argument("checkout", type=Path)
     git_mode.add_argument("--ref", default="HEAD", help="commit to build on (default HEAD)")
     git_mode.add_argument("--branch", help="branch name (default admission-seam-<series>)")
+    git_mode.add_argument(
+        "--signoff", action="store_true", help="add your Signed-off-by (git commit --signoff)"
+    )
     installed = modes.add_parser("installed", help="patch the vLLM this interpreter imports")
     installed.add_argument("--check", action="store_true", help="dry run: write nothing")
     installed.add_argument("--revert", action="store_true", help="remove the seam instead")
@@ -219,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.mode == "git":
-            message = build_branch(args.checkout.resolve(), args.ref, args.branch)
+            message = build_branch(args.checkout.resolve(), args.ref, args.branch, args.signoff)
         else:
             message = apply_installed(args.root, check=args.check, revert=args.revert)
     except (ApplyError, PatchError) as exc:

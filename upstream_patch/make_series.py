@@ -1,72 +1,79 @@
-"""Regenerate the seam series for vLLM releases, as real ``git format-patch`` output.
+"""Regenerate (or check) the seam series for vLLM releases.
 
-    python upstream_patch/make_series.py 0.24.0 0.25.0 ...   # wheels from /tmp/wheels or pip
+    python upstream_patch/make_series.py 0.24.0 0.25.0 ...          # wheels from /tmp/wheels or pip
+    python upstream_patch/make_series.py --check 0.24.0 0.25.0 ...
 
-For each version: take ``vllm/v1/core/sched/scheduler.py`` from that release's wheel, commit it to
-a scratch git repository at upstream's path, apply the seam (below), add the upstream-style unit
-test, commit with the message reviewers will read, and ``git format-patch`` the commit into
-``upstream_patch/v<version>/``. Dates and identities are fixed, so regenerating an unchanged
-release reproduces the same bytes.
+For each version: take ``vllm/v1/core/sched/scheduler.py`` from that release's wheel, apply the
+seam (below), add the unit test, and write the commit message followed by the diff (``git diff
+--patch-with-stat --full-index``) to ``upstream_patch/v<version>/seam.patch``. No author, date or
+``Signed-off-by`` is written: ``apply.py git`` commits with the submitter's own git identity, and
+the submitter signs off. Regenerating an unchanged release reproduces the same bytes.
+
+A release's series is stored only where it differs: if the nearest newer stored series applies to
+this release's ``scheduler.py`` and gives byte for byte what the generator gives, that series
+serves this release too and no directory is written (and a stored older series that the new one
+now covers is removed). ``--check`` regenerates each version and compares it, byte for byte, with
+the stored series that serves it.
 
 The seam is an "extract method" refactoring done mechanically, which is what lets one generator
 follow the WAITING loop across releases: the one ``if <cond>: break`` in ``schedule()`` whose
-condition reads ``self.max_num_*_reqs`` (the check at the top of the WAITING loop, on the
-request-slot limit: ``max_num_running_reqs`` up to 0.30, ``max_num_active_reqs`` from 0.31)
-moves, together with the comment and assignment lines directly above it, into
-``Scheduler._should_stop_admitting_waiting``; the loop calls the method. One normalization: an
-``==`` slot check becomes ``>=`` (equivalent, since ``schedule()`` asserts
-``len(self.running) <= max_num_running_reqs``; and the default stays a stop should a subclass
-ever let running exceed the limit). The generator refuses a release where a moved assignment is
-read later in ``schedule()``.
+condition reads ``self.max_num_*_reqs`` (the check in the WAITING loop on the request-slot limit:
+``max_num_running_reqs`` up to 0.30, ``max_num_active_reqs`` from 0.31) moves, together with the
+comment and assignment lines directly above it, into ``Scheduler._should_stop_admitting_waiting``;
+the loop calls the method. One normalization: an ``==`` slot check becomes ``>=`` (equivalent,
+since ``schedule()`` asserts ``len(self.running) <= max_num_running_reqs``; and the default stays a
+stop should a subclass ever let running exceed the limit). The generator refuses a release where a
+moved assignment is read later in ``schedule()``.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
-import zipfile
 from pathlib import Path
 
+from packaging.version import Version
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from seam_patch import PATCH_ROOT, SCHEDULER_PATH, SEAM_METHOD  # noqa: E402
+from seam_patch import (  # noqa: E402
+    PATCH_ROOT,
+    SCHEDULER_PATH,
+    SEAM_METHOD,
+    SEAM_TEST_PATH,
+    PatchError,
+    Series,
+    all_series,
+    apply_series,
+    split_at_seam_method,
+    wheel_for,
+    wheel_scheduler_source,
+)
 
-TEST_PATH = "tests/v1/core/test_scheduler_admission_seam.py"
-IDENTITY = "vllm-balance-scheduling developers"
-# RFC 2606 reserved domain: the lead replaces it with the contributors' address before sending.
-EMAIL = "developers@vllm-balance-scheduling.invalid"
-# Fixed so that regenerating a series is byte-for-byte reproducible.
-DATE = "2026-11-29T00:00:00+00:00"
+PATCH_NAME = "seam.patch"
 
-SUBJECT = "[Core] Make the WAITING admission stop condition an overridable method"
+MESSAGE = """\
+[Core] Make the WAITING admission stop condition an overridable method
 
-BODY = """\
-Admission policies that hold back new requests for a step (data-parallel
-balance is the case at hand: SGLang's prefill delayer, TensorRT-LLM's
-attention-DP balance, vllm-ascend's balance scheduling) have to change one
-condition at the top of the WAITING loop in Scheduler.schedule(). Today the
-only way to do that is to copy the whole method (~700 lines), and such
-copies silently go stale with every release.
+Scheduler.schedule() stops taking WAITING requests when the request slots
+are full. Move that condition into Scheduler.{method}(),
+which returns exactly what the inline check computed, and call it from the
+same place in the loop. No behaviour change.{note}
 
-Extract that condition into Scheduler.{method}(), which
-returns exactly this release's condition, and call it from the loop. A
-subclass can now override the one decision, e.g.
+A scheduler subclass can then hold back admission for a step by overriding
+one method instead of copying schedule() (about 700 lines, which go stale
+with every release). The case at hand is data-parallel balance for MoE
+models (RFC #29722): every DP rank stops admitting while any rank's batch is
+full, e.g.
 
-    def {method}(self) -> bool:
-        return self.admission_frozen or super().{method}()
+    class BalanceScheduler(AsyncScheduler):
+        def {method}(self) -> bool:
+            return super().{method}() or self.admission_frozen
 
-No behaviour change: the default returns the same value the inline check
-computed, at the same point of the loop.{note}
-
-The test shows the default is unchanged and that a subclass override stops
-admission while running requests keep being scheduled.
-
-Signed-off-by: {identity} <{email}>
+The new tests override the method on Scheduler and on AsyncScheduler.
 """
 
 EQ_NOTE = """
@@ -78,10 +85,15 @@ lets running exceed the limit."""
 
 METHOD = '''\
     def {method}(self) -> bool:
-        """Whether to stop admitting WAITING requests for the rest of this step.
+        """Whether schedule() stops taking WAITING requests for this step.
 
-        Override point for admission policies (e.g. balancing load across
-        data-parallel ranks); schedule() checks it before each WAITING request.
+        Checked before each request the WAITING loop takes, so it holds back
+        every waiting request: new ones, preempted ones, and ones that already
+        hold KV blocks (e.g. after an async KV load). Running requests are
+        scheduled either way. The default stops when the request slots are
+        full. A subclass may override it to hold back admission (e.g. to
+        balance load across data-parallel ranks); an override must not keep
+        returning True while nothing is running, or the engine stalls.
         """
 {pre}        return {cond}
 
@@ -94,27 +106,16 @@ TEST_HEAD = '''\
 
 import pytest
 
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
-
+{request_status}
 from .utils import create_requests, create_scheduler
 
 pytestmark = pytest.mark.cpu_test
 
 
-def _create_scheduler_of(scheduler_cls: type[Scheduler], **kwargs) -> Scheduler:
-    """Like create_scheduler(), but an instance of a Scheduler subclass."""
-    template = create_scheduler(**kwargs)
-    return scheduler_cls(
-        vllm_config=template.vllm_config,
-        kv_cache_config=template.kv_cache_config,
-        structured_output_manager=template.structured_output_manager,
-        block_size=template.block_size,
-        log_stats=True,
-    )
-
-
-def _sample_one_token(scheduler: Scheduler, output) -> None:
+def _step(scheduler):
+    """schedule(), then one sampled token for each scheduled request."""
+    output = scheduler.schedule()
     req_ids = list(output.num_scheduled_tokens)
     model_output = ModelRunnerOutput(
         req_ids=req_ids,
@@ -122,78 +123,95 @@ def _sample_one_token(scheduler: Scheduler, output) -> None:
         sampled_token_ids=[[0] for _ in req_ids],
     )
     scheduler.update_from_output(output, model_output)
+    return output
 
 
-def test_default_stops_admission_at_max_num_seqs():
-    scheduler = create_scheduler(max_num_seqs=2)
-    for request in create_requests(num_requests=5):
-        scheduler.add_request(request)
-    assert not scheduler.{method}()
-
-    output = scheduler.schedule()
-
-    assert len(output.scheduled_new_reqs) == 2
-    assert len(scheduler.running) == 2
-    assert len(scheduler.waiting) == 3
-    assert scheduler.{method}()
-
-
-class NeverAdmit(Scheduler):
-    def {method}(self) -> bool:
-        return True
-
-
-def test_override_stops_admission():
-    scheduler = _create_scheduler_of(NeverAdmit)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_override_holds_back_waiting_requests(monkeypatch, async_scheduling):
+    scheduler = create_scheduler(async_scheduling=async_scheduling)
+    hold = True
+    monkeypatch.setattr(scheduler, "{method}", lambda: hold)
     for request in create_requests(num_requests=3):
         scheduler.add_request(request)
 
-    output = scheduler.schedule()
+    output = _step(scheduler)
 
     assert output.scheduled_new_reqs == []
     assert output.total_num_scheduled_tokens == 0
     assert len(scheduler.waiting) == 3
     assert not scheduler.running
 
+    # Held back, not dropped: they are admitted once the override lets go.
+    hold = False
+    assert len(_step(scheduler).scheduled_new_reqs) == 3
 
-class AdmitOnlyIntoEmptyBatch(Scheduler):
-    def {method}(self) -> bool:
-        return len(self.running) >= 1 or super().{method}()
 
-
-def test_override_is_checked_before_each_admission():
-    scheduler = _create_scheduler_of(AdmitOnlyIntoEmptyBatch)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_override_is_checked_before_each_admission(monkeypatch, async_scheduling):
+    scheduler = create_scheduler(async_scheduling=async_scheduling)
+    default = scheduler.{method}
+    # Admit only into an empty batch, on top of the default limit.
+    monkeypatch.setattr(
+        scheduler,
+        "{method}",
+        lambda: len(scheduler.running) >= 1 or default(),
+    )
     requests = create_requests(num_requests=3)
     for request in requests:
         scheduler.add_request(request)
 
-    output = scheduler.schedule()
+    output = _step(scheduler)
     assert [r.req_id for r in output.scheduled_new_reqs] == [requests[0].request_id]
-    _sample_one_token(scheduler, output)
 
     # Admission stays stopped; the running request is still scheduled.
-    output = scheduler.schedule()
+    output = _step(scheduler)
     assert output.scheduled_new_reqs == []
     assert list(output.num_scheduled_tokens) == [requests[0].request_id]
 '''
 
 TEST_STREAMING = """
 
-def test_default_counts_paused_streaming_sessions():
-    scheduler = create_scheduler(max_num_seqs=2)
-    # A paused streaming session is not in `running` but holds a request slot.
-    scheduler.num_waiting_for_streaming_input = 1
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_default_counts_paused_streaming_sessions(async_scheduling):
+    scheduler = create_scheduler(max_num_seqs=2, async_scheduling=async_scheduling)
+    (session,) = create_requests(num_requests=1, max_tokens=1, req_ids=["session"])
+    session.resumable = True
+    scheduler.add_request(session)
+    _step(scheduler)  # its one output token ends the session's first turn
+    assert session.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    assert not scheduler.running
     for request in create_requests(num_requests=3):
         scheduler.add_request(request)
 
     output = scheduler.schedule()
 
+    # The paused session keeps its slot: one of the two is left to admit.
     assert len(output.scheduled_new_reqs) == 1
+    assert scheduler.{method}()
+"""
+
+TEST_ACTIVE_SEQS = """
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_default_stops_at_max_num_active_seqs(async_scheduling):
+    scheduler = create_scheduler(
+        max_num_seqs=16, max_num_active_seqs=3, async_scheduling=async_scheduling
+    )
+    for request in create_requests(num_requests=10):
+        scheduler.add_request(request)
+    assert not scheduler.{method}()
+
+    output = scheduler.schedule()
+
+    assert len(output.scheduled_new_reqs) == 3
+    assert len(scheduler.running) < scheduler.max_num_running_reqs
     assert scheduler.{method}()
 """
 
 _SLOT_CHECK = re.compile(r"^(?P<indent>\s*)if (?P<cond>.*\bself\.max_num_\w+_reqs\b.*):\s*$")
 _ASSIGNMENT = re.compile(r"^\s*(?P<names>[\w, ]+?)\s*=[^=]")
+# What may differ between two series whose text is "the same": blob ids and line numbers.
+_LOCATION = re.compile(r"^(index \S+|@@ -\d+(,\d+)? \+\d+(,\d+)? @@)", re.M)
 
 
 class SeamError(RuntimeError):
@@ -201,7 +219,7 @@ class SeamError(RuntimeError):
 
 
 def add_seam(source: str) -> tuple[str, str]:
-    """``source`` with the seam; also the commit-body note about the condition (may be '')."""
+    """``source`` with the seam; also the commit-message note about the condition (may be '')."""
     lines = source.splitlines(keepends=True)
     schedule_at = next(
         (i for i, ln in enumerate(lines) if ln.startswith("    def schedule(")), None
@@ -212,8 +230,8 @@ def add_seam(source: str) -> tuple[str, str]:
         (i for i in range(schedule_at + 1, len(lines)) if lines[i].startswith("    def ")),
         len(lines),
     )
-    # In every release so far the only slot check that breaks a loop in schedule() is the one at
-    # the top of the WAITING loop (the RUNNING loop preempts instead); two would be ambiguous.
+    # In every release so far the only slot check that breaks a loop in schedule() is the one in
+    # the WAITING loop (the RUNNING loop preempts instead); two would be ambiguous.
     checks = [
         i
         for i in range(schedule_at, end_of_schedule - 1)
@@ -258,88 +276,122 @@ def add_seam(source: str) -> tuple[str, str]:
 
 
 def unit_test(seamed_source: str) -> str:
-    method_body = seamed_source.split(f"def {SEAM_METHOD}(", 1)[1].split("\n    def ", 1)[0]
+    """The test file for this release: the paused-streaming and the max_num_active_seqs cases
+    only where the default reads them."""
+    _, method, _ = split_at_seam_method(seamed_source)
     text = TEST_HEAD
-    if "num_waiting_for_streaming_input" in method_body:
+    streaming = "num_waiting_for_streaming_input" in method
+    if streaming:
         text += TEST_STREAMING
-    return text.format(method=SEAM_METHOD)
+    if "max_num_active_reqs" in method:
+        text += TEST_ACTIVE_SEQS
+    request_status = "from vllm.v1.request import RequestStatus\n" if streaming else ""
+    return text.format(method=SEAM_METHOD, request_status=request_status)
 
 
-def wheel_for(version: str, wheel_dir: Path) -> Path:
-    pattern = str(wheel_dir / f"vllm-{version}-*.whl")
-    found = glob.glob(pattern)
-    if not found:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-             "-q", "-d", str(wheel_dir), f"vllm=={version}"],
-            check=True,
-        )  # fmt: skip
-        found = glob.glob(pattern)
-    return Path(found[0])
-
-
-def git(repo: Path, *args: str, **kwargs) -> str:
-    env = dict(os.environ)
-    env.update(
-        GIT_AUTHOR_NAME=IDENTITY,
-        GIT_AUTHOR_EMAIL=EMAIL,
-        GIT_COMMITTER_NAME=IDENTITY,
-        GIT_COMMITTER_EMAIL=EMAIL,
-        GIT_AUTHOR_DATE=DATE,
-        GIT_COMMITTER_DATE=DATE,
-        GIT_CONFIG_GLOBAL=os.devnull,
-        GIT_CONFIG_NOSYSTEM="1",
-    )
+def _git(repo: Path, *args: str) -> str:
     return subprocess.run(
-        ["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True, **kwargs
+        ["git", *args], cwd=repo, check=True, capture_output=True, text=True
     ).stdout
 
 
-def make_series(version: str, wheel_dir: Path, out_root: Path = PATCH_ROOT) -> Path:
-    with zipfile.ZipFile(wheel_for(version, wheel_dir)) as wheel:
-        source = wheel.read(SCHEDULER_PATH).decode("utf-8")
+def series_text(source: str) -> str:
+    """The patch for a release whose ``scheduler.py`` is ``source``: message, then the diff."""
     seamed, note = add_seam(source)
     with tempfile.TemporaryDirectory(prefix="vllm-seam-series-") as tmp:
         repo = Path(tmp)
-        git(repo, "init", "-q", "-b", "main")
+        _git(repo, "init", "-q")
         target = repo / SCHEDULER_PATH
         target.parent.mkdir(parents=True)
         target.write_text(source, encoding="utf-8")
-        git(repo, "add", "-A")
-        git(repo, "commit", "-q", "-m", f"vLLM v{version}: {SCHEDULER_PATH} from the wheel")
+        _git(repo, "add", "-A")
+        before = _git(repo, "write-tree").strip()  # no commit, so no identity is needed
         target.write_text(seamed, encoding="utf-8")
-        test = repo / TEST_PATH
+        test = repo / SEAM_TEST_PATH
         test.parent.mkdir(parents=True)
         test.write_text(unit_test(seamed), encoding="utf-8")
-        git(repo, "add", "-A")
-        message = (
-            SUBJECT
-            + "\n\n"
-            + BODY.format(method=SEAM_METHOD, note=note, identity=IDENTITY, email=EMAIL)
-        )
-        git(repo, "commit", "-q", "-F", "-", input=message)
-        out = out_root / f"v{version}"
-        out.mkdir(parents=True, exist_ok=True)
-        for old in out.glob("*.patch"):
-            old.unlink()
-        git(
-            repo,
-            "format-patch",
-            "-q",
-            "--zero-commit",
-            "--no-signature",
-            "--full-index",
-            "-o",
-            str(out),
-            "-1",
-        )
-    return out
+        _git(repo, "add", "-A")
+        diff = _git(repo, "diff", "--cached", "--patch-with-stat", "--full-index", before)
+    return MESSAGE.format(method=SEAM_METHOD, note=note) + "---\n" + diff
+
+
+def _results(source: str, patches: list[Path] | tuple[Path, ...]) -> dict[str, str]:
+    """The files a series produces from a release's ``scheduler.py`` (its test file included)."""
+    return apply_series({SCHEDULER_PATH: source}, Series("v0", PATCH_ROOT, tuple(patches)))
+
+
+def serves(series: Series, source: str, text: str) -> bool:
+    """Whether ``series`` gives, from ``source``, byte for byte what patch ``text`` gives."""
+    if _LOCATION.sub("", series.patches[0].read_text(encoding="utf-8")) != _LOCATION.sub(
+        "", text
+    ):
+        return False
+    with tempfile.TemporaryDirectory(prefix="vllm-seam-text-") as tmp:
+        generated = Path(tmp) / PATCH_NAME
+        generated.write_text(text, encoding="utf-8")
+        wanted = _results(source, [generated])
+    try:
+        return _results(source, series.patches) == wanted
+    except PatchError:
+        return False
+
+
+def neighbours(version: str) -> tuple[Series | None, Series | None]:
+    """The nearest stored series older than ``version`` and the nearest newer one."""
+    stored = [s for s in all_series() if s.ref != f"v{version}"]
+    older = [s for s in stored if s.version < Series(f"v{version}", PATCH_ROOT, ()).version]
+    newer = [s for s in stored if s not in older]
+    return (older[-1] if older else None), (newer[0] if newer else None)
+
+
+def store_series(version: str, wheel_dir: Path) -> str:
+    """Write (or drop) the release's series; returns what was done, in one line."""
+    source = wheel_scheduler_source(wheel_for(version, wheel_dir))
+    text = series_text(source)
+    older, newer = neighbours(version)
+    directory = PATCH_ROOT / f"v{version}"
+    if newer is not None and serves(newer, source, text):
+        if directory.exists():
+            shutil.rmtree(directory)
+        return f"v{version}: served by {newer.ref} (same text; not stored)"
+    directory.mkdir(exist_ok=True)
+    for old in directory.glob("*.patch"):
+        old.unlink()
+    (directory / PATCH_NAME).write_text(text, encoding="utf-8")
+    done = f"v{version}: wrote {directory.relative_to(PATCH_ROOT.parent)}/{PATCH_NAME}"
+    if older is not None:
+        older_version = older.ref.removeprefix("v")
+        older_source = wheel_scheduler_source(wheel_for(older_version, wheel_dir))
+        written = Series(f"v{version}", directory, (directory / PATCH_NAME,))
+        if serves(written, older_source, series_text(older_source)):
+            shutil.rmtree(older.directory)
+            done += f"; removed {older.ref} (now served by v{version})"
+    return done
+
+
+def check_series(version: str, source: str) -> str | None:
+    """None if the stored series that serves ``version`` is what the generator gives; else why."""
+    text = series_text(source)
+    own = PATCH_ROOT / f"v{version}" / PATCH_NAME
+    if own.exists():
+        return None if own.read_text(encoding="utf-8") == text else f"{own} differs"
+    _, newer = neighbours(version)
+    if newer is None or not serves(newer, source, text):
+        return f"no stored series gives v{version}'s patch (run make_series.py {version})"
+    return None
+
+
+def serving_series(version: str) -> Series | None:
+    """The stored series for ``version``: its own directory, else the nearest newer one."""
+    own = PATCH_ROOT / f"v{version}"
+    return next((s for s in all_series() if s.directory == own), None) or neighbours(version)[1]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("versions", nargs="+")
+    parser.add_argument("--check", action="store_true", help="compare, write nothing")
     parser.add_argument("--wheel-dir", type=Path, default=Path("/tmp/wheels"))
     return parser
 
@@ -347,21 +399,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.wheel_dir.mkdir(parents=True, exist_ok=True)
-    for version in args.versions:
+    failed = False
+    # Newest first: whether a release is stored depends on the newer series.
+    for version in sorted(args.versions, key=Version, reverse=True):
         try:
-            out = make_series(version, args.wheel_dir)
+            if not args.check:
+                print(store_series(version, args.wheel_dir))
+                continue
+            source = wheel_scheduler_source(wheel_for(version, args.wheel_dir))
+            problem = check_series(version, source)
+            served = serving_series(version)
+            verdict = f"{served.ref if served else '-'} regenerated byte for byte"
+            print(f"v{version}: {problem or verdict}")
+            failed |= problem is not None
         except SeamError as exc:
             print(f"v{version}: {exc}", file=sys.stderr)
-            return 1
-        stat = textwrap.indent(
-            subprocess.run(
-                ["git", "apply", "--numstat", *map(str, sorted(out.glob("*.patch")))],
-                capture_output=True, text=True, check=True,
-            ).stdout,
-            "    ",
-        )  # fmt: skip
-        print(f"v{version}: {out}\n{stat}", end="")
-    return 0
+            failed = True
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

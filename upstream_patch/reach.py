@@ -8,9 +8,11 @@ release-tag pin's version up), that release's wheel is unpacked into a scratch d
 on ``PYTHONPATH`` of child processes, so it shadows the vLLM of this environment without modifying
 it (the CPU runtime of requirements/ is shared). Then, in order:
 
-- **seam**: the series named after the release (``upstream_patch/v<release>/``) applies strictly
-  (no fuzz) to that release's ``scheduler.py`` and the result compiles; with ``--seam``
-  tests/test_seam_neutrality.py (unpatched vs patched upstream ``Scheduler``) runs on it too;
+- **seam**: the series that serves the release (``upstream_patch/v<release>/``, or the nearest
+  newer one with the same text) is what ``make_series.py`` generates for it, byte for byte; it
+  applies strictly (no fuzz) to that release's ``scheduler.py`` and the result compiles; with
+  ``--seam`` tests/test_seam_neutrality.py (unpatched vs patched upstream ``Scheduler``) runs on
+  it too (``--seam --paths`` with no path runs only this part);
 - **compat**, on the unpacked (unpatched) tree: the differential suite (gate open and the gate
   oracle vs upstream, DIFFERENTIAL_TESTS), the contract tests (CONTRACT_TESTS, COMPAT_TESTS) and
   vLLM's own tests/v1/core/test_scheduler.py from the release's sdist with
@@ -47,20 +49,27 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from packaging.version import Version
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tests"))
 import support_matrix  # noqa: E402
 from apply import apply_installed  # noqa: E402
-from run_vllm_tests import CACHE, junit_outcomes  # noqa: E402
+from junit import junit_outcomes, tally  # noqa: E402
+from make_series import SeamError, check_series, serving_series  # noqa: E402
+from run_vllm_tests import CACHE  # noqa: E402
 from seam_patch import (  # noqa: E402
     SCHEDULER_PATH,
-    SEAM_METHOD,
+    SEAM_TEST_PATH,
     PatchError,
+    numstat,
     scheduler_text,
-    series_for_ref,
-    version_key,
+    split_at_seam_method,
+    wheel_for,
+    wheel_scheduler_source,
 )
 
 from pins import read_pin  # noqa: E402
@@ -129,25 +138,7 @@ def releases_from_index(first: str) -> list[str]:
     if not listed:
         raise SystemExit("reach.py: error: `pip index versions vllm` listed nothing")
     finals = [v.strip() for v in listed.group(1).split(",") if re.fullmatch(r"[\d.]+", v.strip())]
-    return sorted((v for v in finals if version_key(v) >= version_key(first)), key=version_key)
-
-
-def wheel_for(version: str, wheel_dir: Path, package: str = "vllm") -> Path:
-    stem = package.replace("-", "_")
-    found = sorted(wheel_dir.glob(f"{stem}-{version}-*.whl"))
-    if not found:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-             "-d", str(wheel_dir), f"{package}=={version}"],
-            check=True,
-        )  # fmt: skip
-        found = sorted(wheel_dir.glob(f"{stem}-{version}-*.whl"))
-    return found[0]
-
-
-def wheel_scheduler_source(wheel: Path) -> str:
-    with zipfile.ZipFile(wheel) as archive:
-        return archive.read(SCHEDULER_PATH).decode("utf-8")
+    return sorted((v for v in finals if Version(v) >= Version(first)), key=Version)
 
 
 def schedule_fingerprint(source: str, version: str) -> str:
@@ -159,7 +150,7 @@ def schedule_fingerprint(source: str, version: str) -> str:
 
 def seam_condition(patched: str) -> str:
     """What the default body checks, described (not quoted: vLLM's code stays in the patches)."""
-    body = patched.split(f"def {SEAM_METHOD}(", 1)[1].split("\n    def ", 1)[0]
+    _, body, _ = split_at_seam_method(patched)
     limit = re.findall(r"self\.(max_num_\w+_reqs)", body)
     operator = re.findall(r"(>=|==|>)", body)
     described = f"{operator[-1] if operator else '?'} {limit[-1] if limit else '?'}"
@@ -169,11 +160,7 @@ def seam_condition(patched: str) -> str:
 
 
 def junit_counts(path: Path, select=lambda test_id: True) -> dict[str, int]:
-    counts = {"passed": 0, "failed": 0, "skipped": 0}
-    for test_id, outcome in junit_outcomes(path).items():
-        if select(test_id):
-            counts[outcome] += 1
-    return counts
+    return tally(junit_outcomes(path), select)
 
 
 def child_env(tree: Path, seam: bool) -> dict[str, str]:
@@ -193,23 +180,27 @@ def failure_lines(output: str) -> list[str]:
 
 def check_seam(version: str, wheel: Path, tree: Path, neutrality: bool) -> SeamEvidence:
     result = SeamEvidence(date=today())
-    series = series_for_ref(version)
+    series = serving_series(version)
     if series is None:
-        result.notes.append(f"no upstream_patch/v{version}/ (run make_series.py {version})")
+        result.notes.append(f"no series serves {version} (run make_series.py {version})")
         return result
     result.series = series.ref
+    source = wheel_scheduler_source(wheel)
     try:
-        patched = scheduler_text(wheel_scheduler_source(wheel), series)
+        problem = check_series(version, source)
+        patched = scheduler_text(source, series)
         compile(patched, SCHEDULER_PATH, "exec")
-    except (PatchError, SyntaxError) as exc:
+    except (PatchError, SeamError, SyntaxError) as exc:
         result.notes.append(f"does not apply: {exc}")
         return result
+    if problem:
+        result.notes.append(f"not what make_series.py generates: {problem}")
+        return result
     result.applies = "yes"
-    (diff,) = series.scheduler_diffs()
-    added = sum(ln[0] == "+" for h in diff.hunks for ln in h.lines)
-    removed = sum(ln[0] == "-" for h in diff.hunks for ln in h.lines)
+    counts = numstat(series)
+    added, removed = counts[SCHEDULER_PATH]
     result.scheduler_diff = f"+{added} -{removed}"
-    result.test_lines = sum(d.changed_lines for d in series.file_diffs() if d.is_test)
+    result.test_lines = counts[SEAM_TEST_PATH][0]
     result.condition = seam_condition(patched)
     if not neutrality:
         return result
@@ -335,13 +326,14 @@ def check_release(version: str, args) -> dict:
                 "same": cpu == fingerprint,
             }
         sdist = CACHE / f"vllm-{version}.tar.gz"
-        entry["cost"] = {
-            "date": today(),
-            "minutes": round((time.monotonic() - started) / 60, 1),
-            "wheel_mb": wheel.stat().st_size >> 20,
-            "unpacked_mb": directory_mb(tree),
-            "sdist_mb": sdist.stat().st_size >> 20 if sdist.exists() else 0,
-        }
+        if args.paths:  # the cost of a release's full run, not of a seam-only check
+            entry["cost"] = {
+                "date": today(),
+                "minutes": round((time.monotonic() - started) / 60, 1),
+                "wheel_mb": wheel.stat().st_size >> 20,
+                "unpacked_mb": directory_mb(tree),
+                "sdist_mb": sdist.stat().st_size >> 20 if sdist.exists() else 0,
+            }
     finally:
         if not args.keep:
             shutil.rmtree(tree, ignore_errors=True)
@@ -395,7 +387,7 @@ def record_fingerprints(evidence: dict) -> None:
             }
         else:
             entries.pop(release, None)
-    data["verified"] = sorted(entries.values(), key=lambda e: version_key(e["release"]))
+    data["verified"] = sorted(entries.values(), key=lambda e: Version(e["release"]))
     FINGERPRINTS_FILE.write_text(json.dumps(data, indent=2) + "\n")
 
 
@@ -424,7 +416,7 @@ def write_seam_table(evidence: dict, path: Path) -> None:
         "|---|---|---|---|---|---|",
     ]
     notes = []
-    for release in sorted(evidence, key=version_key):
+    for release in sorted(evidence, key=Version):
         seam = evidence[release].get("seam")
         if seam is None:
             continue
@@ -448,7 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--versions", nargs="*", help="default: the index, from the release tag")
-    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument(
+        "--paths", nargs="*", choices=PATHS, default=list(PATHS), help="none: the seam only"
+    )
     parser.add_argument(
         "--no-own-tests", dest="own_tests", action="store_false", help="skip vLLM's own tests"
     )
@@ -486,8 +480,13 @@ def main(argv: list[str] | None = None) -> int:
         render(evidence, args.table)
         verdicts = {p: entry[p]["ok"] for p in PATHS if p in entry}
         ok = ok and all(verdicts.values()) and evidence[version]["seam"]["applies"] == "yes"
-        notes = [n for p in PATHS if p in entry for n in entry[p]["notes"]]
-        print(f"{version}: {verdicts} {entry['cost']} {'; '.join(notes)[:400]}", flush=True)
+        notes = [n for p in (*PATHS, "seam") if p in entry for n in entry[p]["notes"]]
+        seam = evidence[version]["seam"]
+        print(
+            f"{version}: {verdicts} seam {seam['series']} applies {seam['applies']}, "
+            f"neutral {seam['neutral']} {entry.get('cost', '')} {'; '.join(notes)[:400]}",
+            flush=True,
+        )
     return 0 if ok else 1
 
 

@@ -1,16 +1,20 @@
 """Run vLLM's own scheduler tests on the unpatched and the patched scheduler of the installed vLLM.
 
-    python upstream_patch/run_vllm_tests.py [--report FILE] [--balance] [-- extra pytest args]
+    python upstream_patch/run_vllm_tests.py [--release X] [--report FILE] [--balance] [-- pytest args]
 
-This is what an upstream reviewer's CI runs first. Steps:
+This is what an upstream reviewer's CI runs first. ``--release X`` runs on vLLM release X instead
+of the installed vLLM: its wheel, unpacked into a scratch directory that comes first on the test
+processes' ``PYTHONPATH`` (as ``reach.py`` does; the CPU runtime of this environment is shared).
+Steps:
 
 1. The sdist of the installed vLLM version (it carries ``tests/``) is fetched from the package
    registry through PEP 691's JSON form of the simple index (the interface pip itself uses; the
    ``/pypi/<name>/<version>/json`` API is not reachable here), checked against the index's
    sha256 and cached under ``~/.cache/vllm-balance/``. ``pip download`` cannot fetch it: it
    builds metadata first, and vLLM's metadata build fails without CUDA.
-2. ``tests/v1/core/test_scheduler.py`` and the test modules it imports (followed transitively,
-   ``tests.*`` only) are extracted, plus the series' own test file (from the patch). vLLM's
+2. ``tests/v1/core/test_scheduler.py`` and ``test_async_scheduler.py`` (``--balance``: the first
+   only) and the test modules they import (followed transitively, ``tests.*`` only) are
+   extracted, plus the series' own test file (``git apply --include`` of the series). vLLM's
    ``tests/conftest.py`` is not: it imports model runners and hub clients. A small conftest
    replaces it: hub model names become a tiny local config (``facebook/opt-125m`` -> a tiny
    Llama; models that only the hub has, e.g. the multimodal llava, skip the test), every
@@ -46,24 +50,37 @@ import sys
 import tarfile
 import tempfile
 import urllib.request
-import xml.etree.ElementTree as ET
+import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+TESTS_DIR = HERE.parent / "tests"
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(TESTS_DIR))
+from junit import junit_outcomes, tally  # noqa: E402
 from seam_patch import (  # noqa: E402
     SCHEDULER_PATH,
     SEAM_METHOD,
+    SEAM_TEST_PATH,
     PatchError,
     installed_version,
     installed_vllm_root,
     match_series,
     scheduler_text,
+    seam_test_text,
+    wheel_for,
+    wheel_scheduler_source,
 )
 
 CACHE = Path(os.environ.get("VLLM_BALANCE_CACHE", Path.home() / ".cache" / "vllm-balance"))
 INDEX = os.environ.get("VLLM_BALANCE_INDEX", "https://pypi.org/simple")
 ENTRY_TEST = "tests/v1/core/test_scheduler.py"
-SEAM_TEST = "tests/v1/core/test_scheduler_admission_seam.py"
+ASYNC_TEST = "tests/v1/core/test_async_scheduler.py"
+SEAM_TEST = SEAM_TEST_PATH
+# The seam on vLLM's own tests of both scheduler classes; --balance keeps to test_scheduler.py,
+# which is what nox -s reach records.
+SEAM_ENTRIES = (ENTRY_TEST, ASYNC_TEST)
+BALANCE_ENTRIES = (ENTRY_TEST,)
 
 CONFTEST = '''\
 """Written by vllm-balance-scheduling's upstream_patch/run_vllm_tests.py; not vLLM's conftest.
@@ -96,7 +113,9 @@ if _override:
 from vllm.config import DeviceConfig, ModelConfig, VllmConfig  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-from vllm_balance.factories import tiny_model_dir  # noqa: E402
+# This repository's test factories (tests/factories.py); vLLM's own tests/ is the `tests` package.
+sys.path.append(os.environ["VLLM_BALANCE_TESTS_DIR"])
+from factories import tiny_model_dir  # noqa: E402
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 
@@ -162,6 +181,16 @@ def _offline_cpu_configs(request, monkeypatch):
                 monkeypatch.setattr(module, "VllmConfig", _vllm_config)
 
 
+@pytest.fixture
+def caplog_vllm(caplog, monkeypatch):
+    # Stands in for vLLM's fixture of that name: vLLM's log records reach caplog, at INFO.
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    with caplog.at_level(logging.INFO):
+        yield caplog
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cpu_test: vLLM CI marker")
 '''.replace('"SEAM_METHOD"', repr(SEAM_METHOD))
@@ -221,8 +250,8 @@ def _imported_test_modules(path: str, source: str) -> set[str]:
     return found
 
 
-def extract_tests(sdist: Path, version: str, into: Path) -> list[str]:
-    """Extract the entry test and its test-module closure; returns the paths extracted."""
+def extract_tests(sdist: Path, version: str, into: Path, entries: tuple[str, ...]) -> list[str]:
+    """Extract the entry tests and their test-module closure; returns the paths extracted."""
     prefix = f"vllm-{version}/"
     with tarfile.open(sdist) as tar:
         members = {m.name.removeprefix(prefix): m for m in tar.getmembers()}
@@ -232,7 +261,7 @@ def extract_tests(sdist: Path, version: str, into: Path) -> list[str]:
             handle = tar.extractfile(member) if member else None
             return handle.read().decode("utf-8") if handle else None
 
-        wanted, todo = set(), [ENTRY_TEST]
+        wanted, todo = set(), list(entries)
         while todo:
             rel = todo.pop()
             if rel in wanted:
@@ -263,12 +292,17 @@ def run_side(
     name: str,
     scheduler_file: Path | None,
     pytest_args: list[str],
-    tests: tuple[str, ...] = (ENTRY_TEST, SEAM_TEST),
+    tests: tuple[str, ...],
 ) -> dict:
     """One pytest run of ``tests``; ``name`` "balance" swaps in this package's schedulers."""
     junit = tree / f"junit-{name}.xml"
     side_file = tree / f"side-{name}.json"
-    env = dict(os.environ, VLLM_BALANCE_SIDE_FILE=str(side_file), PYTHONDONTWRITEBYTECODE="1")
+    env = dict(
+        os.environ,
+        VLLM_BALANCE_SIDE_FILE=str(side_file),
+        VLLM_BALANCE_TESTS_DIR=str(TESTS_DIR),
+        PYTHONDONTWRITEBYTECODE="1",
+    )
     env.pop("VLLM_BALANCE_SCHEDULER_FILE", None)
     env["VLLM_BALANCE_SIDE"] = name
     if scheduler_file is not None:
@@ -286,32 +320,33 @@ def run_side(
     return {"outcomes": junit_outcomes(junit), "side": side, "log": str(log)}
 
 
-def junit_outcomes(junit: Path) -> dict[str, str]:
-    """``classname::name`` -> passed / skipped / failed (an error counts as failed)."""
-    outcomes = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        kinds = {child.tag for child in case}
-        outcomes[f"{case.get('classname')}::{case.get('name')}"] = (
-            "failed"
-            if kinds & {"failure", "error"}
-            else "skipped"
-            if "skipped" in kinds
-            else "passed"
-        )
-    return outcomes
+def is_seam_test(test_id: str) -> bool:
+    """Whether a ``classname::name`` id is one of the series' own tests."""
+    return test_id.split("::")[0].endswith("." + Path(SEAM_TEST).stem)
 
 
 def summarize(outcomes: dict[str, str], seam_tests: bool) -> dict[str, int]:
-    counts = {"passed": 0, "skipped": 0, "failed": 0}
-    for test_id, outcome in outcomes.items():
-        if ("test_scheduler_admission_seam" in test_id) == seam_tests:
-            counts[outcome] += 1
+    return tally(outcomes, lambda test_id: is_seam_test(test_id) == seam_tests)
+
+
+def by_file(outcomes: dict[str, str], entries: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """Counts per test file; the series' own tests also per scheduler class (``[False]`` sync,
+    ``[True]`` async: they are parametrized over ``async_scheduling``)."""
+    counts = {}
+    for entry in entries:
+        module = entry.removesuffix(".py").replace("/", ".")
+        in_file = [t for t in outcomes if t.split("::")[0] == module]
+        counts[Path(entry).name] = tally({t: outcomes[t] for t in in_file})
+        if entry == SEAM_TEST:
+            for label, param in (("sync", "[False]"), ("async", "[True]")):
+                chosen = {t: outcomes[t] for t in in_file if t.endswith(param)}
+                counts[f"{Path(entry).name} ({label})"] = tally(chosen)
     return counts
 
 
 def lost_tests(reference: dict[str, str], candidate: dict[str, str]) -> tuple[list, list]:
     """vLLM's tests the reference passes and the candidate does not; tests whose skip differs."""
-    own = [t for t in reference if "test_scheduler_admission_seam" not in t]
+    own = [t for t in reference if not is_seam_test(t)]
     lost = [t for t in own if reference[t] == "passed" and candidate.get(t) != "passed"]
     skip_drift = [t for t in own if (reference[t] == "skipped") != (candidate.get(t) == "skipped")]
     return lost, skip_drift
@@ -319,14 +354,14 @@ def lost_tests(reference: dict[str, str], candidate: dict[str, str]) -> tuple[li
 
 def seam_sides(tree: Path, source: str, match, pytest_args: list[str]) -> tuple[dict, list[str]]:
     """The series on vLLM's own tests: unpatched vs patched, and the series' test on both."""
-    seam_test = next(d for d in match.series.file_diffs() if d.path == SEAM_TEST)
-    (tree / SEAM_TEST).write_text("".join(seam_test.hunks[0].side("+")), encoding="utf-8")
+    (tree / SEAM_TEST).write_text(seam_test_text(match.series), encoding="utf-8")
     other = tree / "scheduler_other_side.py"
     other.write_text(scheduler_text(source, match.series, reverse=match.already_seamed))
     unpatched_file, patched_file = (other, None) if match.already_seamed else (None, other)
+    tests = (*SEAM_ENTRIES, SEAM_TEST)
     sides = {
-        "unpatched": run_side(tree, "unpatched", unpatched_file, pytest_args),
-        "patched": run_side(tree, "patched", patched_file, pytest_args),
+        "unpatched": run_side(tree, "unpatched", unpatched_file, pytest_args, tests),
+        "patched": run_side(tree, "patched", patched_file, pytest_args, tests),
     }
     problems = []
     for name, result in sides.items():
@@ -334,7 +369,7 @@ def seam_sides(tree: Path, source: str, match, pytest_args: list[str]) -> tuple[
             problems.append(f"{name} side ran the wrong scheduler: {result['side']}")
     unpatched, patched = sides["unpatched"]["outcomes"], sides["patched"]["outcomes"]
     lost, skip_drift = lost_tests(unpatched, patched)
-    seam_ids = [t for t in patched if "test_scheduler_admission_seam" in t]
+    seam_ids = [t for t in patched if is_seam_test(t)]
     seam_fail_patched = [t for t in seam_ids if patched[t] != "passed"]
     seam_pass_unpatched = [t for t in seam_ids if unpatched.get(t) == "passed"]
     if lost:
@@ -351,7 +386,7 @@ def seam_sides(tree: Path, source: str, match, pytest_args: list[str]) -> tuple[
 def balance_sides(tree: Path, pytest_args: list[str]) -> tuple[dict, list[str]]:
     """This package's balance scheduler (gate open) vs the installed upstream scheduler."""
     sides = {
-        name: run_side(tree, name, None, pytest_args, tests=(ENTRY_TEST,))
+        name: run_side(tree, name, None, pytest_args, BALANCE_ENTRIES)
         for name in ("upstream", "balance")
     }
     problems = []
@@ -375,11 +410,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--balance", action="store_true", help="this package's scheduler vs upstream (no seam)"
     )
+    parser.add_argument("--release", help="a vLLM release to run on instead of the installed one")
+    parser.add_argument("--wheel-dir", type=Path, default=Path("/tmp/wheels"))
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
 
-    version = installed_version()
-    source = (installed_vllm_root() / SCHEDULER_PATH).read_text(encoding="utf-8")
+    if args.release:
+        version = args.release
+        args.wheel_dir.mkdir(parents=True, exist_ok=True)
+        wheel = wheel_for(version, args.wheel_dir)
+        source = wheel_scheduler_source(wheel)
+        unpacked = Path(tempfile.mkdtemp(prefix=f"vllm-{version}-wheel-"))
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(unpacked)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(unpacked), os.environ.get("PYTHONPATH")])
+        )
+    else:
+        version = installed_version()
+        source = (installed_vllm_root() / SCHEDULER_PATH).read_text(encoding="utf-8")
     try:
         match = match_series(source, version)
     except PatchError as exc:
@@ -387,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     sdist = fetch_sdist(version)
     tree = Path(tempfile.mkdtemp(prefix=f"vllm-{version}-own-tests-"))
-    extracted = extract_tests(sdist, version, tree)
+    entries = BALANCE_ENTRIES if args.balance else (*SEAM_ENTRIES, SEAM_TEST)
+    extracted = extract_tests(sdist, version, tree, entries)
     (tree / "conftest.py").write_text(CONFTEST, encoding="utf-8")
     if args.balance:
         sides, problems = balance_sides(tree, args.pytest_args)
@@ -400,23 +450,26 @@ def main(argv: list[str] | None = None) -> int:
         "series": match.series.ref,
         "installed_is_patched": match.already_seamed,
         "extracted": extracted,
+        # vLLM's own tests (all entry files together; the name is what reach.py reads).
         "test_scheduler": {n: summarize(s["outcomes"], False) for n, s in sides.items()},
         "seam_tests": {n: summarize(s["outcomes"], True) for n, s in sides.items()},
+        "by_file": {n: by_file(s["outcomes"], entries) for n, s in sides.items()},
         "logs": {n: s["log"] for n, s in sides.items()},
         "lost": lost,  # vLLM's own tests the reference side passes and the other does not
         "problems": problems,
     }
     for name in sides:
-        own_counts, seam_counts = report["test_scheduler"][name], report["seam_tests"][name]
-        print(
-            f"vLLM {version} {name:9s} test_scheduler.py: "
-            + ", ".join(f"{v} {k}" for k, v in own_counts.items())
-            + f" | seam tests: {seam_counts['passed']} passed, {seam_counts['failed']} failed"
-        )
+        for label, counts in report["by_file"][name].items():
+            print(
+                f"vLLM {version} {name:9s} {label}: "
+                + ", ".join(f"{v} {k}" for k, v in counts.items())
+            )
     if args.report:
         args.report.write_text(json.dumps(report, indent=2))
     for problem in problems:
         print(f"run_vllm_tests.py: FAIL: {problem}", file=sys.stderr)
+    if args.release:
+        shutil.rmtree(unpacked, ignore_errors=True)
     if not problems and not args.keep:
         shutil.rmtree(tree, ignore_errors=True)  # on failure the tree and its logs stay
     if problems:

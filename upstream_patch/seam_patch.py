@@ -1,207 +1,135 @@
-"""The seam series in upstream_patch/, read and applied without git.
+"""The seam series in upstream_patch/: which one fits a vLLM ``scheduler.py``, applied with git.
 
-``apply.py installed``, the neutrality tests and ``reach.py`` all need the same three things:
-which series fits a given vLLM ``scheduler.py``, the patched (or, for an already-seamed vLLM, the
-unpatched) text of that file, and a module loaded from such a text next to the installed one.
+``apply.py``, ``make_series.py``, ``run_vllm_tests.py``, ``reach.py`` and the seam tests need the
+same few things: the series, which of them fits a given ``scheduler.py`` and whether it is applied
+already, and that file's text with the series applied or reverted. Applying is ``git apply``
+(``--check``, ``-R``, ``--include``) on a scratch copy: every context line must match (an offset is
+allowed, fuzz is not), and a series applies completely or not at all.
 
-The applier here is deliberately strict, stricter than ``patch``: every hunk's context and removed
-lines must match exactly (an offset is allowed, fuzz is not) and a file's new text is computed in
-memory before anything is written, so a series either applies completely or not at all. A series
-that applies in reverse means the file already carries that seam.
-
-The series directories are named after the vLLM ref they were made from (``v0.24.0``); that
-listing is the table of supported refs. No vLLM version is written anywhere else.
+A series is a directory named after the vLLM release it was made from (``v0.33.0/``) holding
+``*.patch`` files: a commit message, then the diff. Only releases whose patch text differs from the
+next newer stored one keep a directory (``make_series.py`` decides and checks this); a release in
+between is served by the newer series, which applies to it at an offset. The directory names are
+the list of stored refs; no version string is written anywhere else.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import re
+import os
+import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+from packaging.version import Version
 
 PATCH_ROOT = Path(__file__).resolve().parent
 SEAM_METHOD = "_should_stop_admitting_waiting"
 SCHEDULER_PATH = "vllm/v1/core/sched/scheduler.py"
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
-
-_HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
-_VERSION_PART = re.compile(r"\d+|[a-z]+")
+SEAM_TEST_PATH = "tests/v1/core/test_scheduler_admission.py"
 
 
 class PatchError(RuntimeError):
     """A series that does not apply; the message is one line, fit for a command-line error."""
 
 
-@dataclass
-class Hunk:
-    old_start: int
-    new_start: int
-    lines: list[str] = field(default_factory=list)  # with their ' ', '-', '+' prefixes
-
-    def side(self, keep: str) -> list[str]:
-        """The hunk's lines on one side: ``keep`` is '-' for the old text, '+' for the new."""
-        return [ln[1:] for ln in self.lines if ln[0] in (" ", keep)]
-
-
-@dataclass
-class FileDiff:
-    path: str  # repository-relative, e.g. vllm/v1/core/sched/scheduler.py
-    new_file: bool
-    hunks: list[Hunk] = field(default_factory=list)
-
-    @property
-    def is_test(self) -> bool:
-        return self.path.startswith("tests/")
-
-    @property
-    def changed_lines(self) -> int:
-        return sum(ln[0] in "+-" for h in self.hunks for ln in h.lines)
-
-
-@dataclass
+@dataclass(frozen=True)
 class Series:
-    """One ref's patches, in order (``git am`` order)."""
+    """One ref's patches, in the order they are committed."""
 
     ref: str
     directory: Path
-    patches: list[Path]
+    patches: tuple[Path, ...]
 
-    def file_diffs(self, include_tests: bool = True) -> list[FileDiff]:
-        diffs = [d for p in self.patches for d in parse_patch(p.read_text(encoding="utf-8"))]
-        return [d for d in diffs if include_tests or not d.is_test]
-
-    def scheduler_diffs(self) -> list[FileDiff]:
-        return [d for d in self.file_diffs() if d.path == SCHEDULER_PATH]
-
-
-def version_key(ref: str) -> tuple:
-    """Sort key for refs like ``v0.25.1``: numeric parts compare as numbers."""
-    return tuple(
-        (0, int(p), "") if p.isdigit() else (1, 0, p) for p in _VERSION_PART.findall(ref.lower())
-    )
+    @property
+    def version(self) -> Version:
+        return Version(self.ref)
 
 
 def all_series(root: Path = PATCH_ROOT) -> list[Series]:
-    """Every series directory under ``root`` (a directory holding ``*.patch``), oldest first."""
+    """Every series directory under ``root`` (one holding ``*.patch``), oldest first."""
     found = []
-    for directory in root.iterdir():
-        patches = sorted(directory.glob("*.patch")) if directory.is_dir() else []
+    for directory in root.glob("v*"):
+        patches = tuple(sorted(directory.glob("*.patch")))
         if patches:
             found.append(Series(directory.name, directory, patches))
-    return sorted(found, key=lambda s: version_key(s.ref))
+    return sorted(found, key=lambda s: s.version)
 
 
 def series_for_ref(ref: str, root: Path = PATCH_ROOT) -> Series | None:
-    """The series made for ``ref`` (``0.24.0`` and ``v0.24.0`` both name ``v0.24.0/``)."""
+    """The series stored under ``ref``'s name (``0.24.0`` and ``v0.24.0`` both name ``v0.24.0/``)."""
     wanted = {ref, f"v{ref}", ref.removeprefix("v")}
     return next((s for s in all_series(root) if s.ref in wanted), None)
 
 
-def parse_patch(text: str) -> list[FileDiff]:
-    """The file diffs of one ``git format-patch`` mail (or of a plain ``git diff``)."""
-    diffs: list[FileDiff] = []
-    lines = text.splitlines(keepends=True)
-    i = 0
-    current: FileDiff | None = None
-    while i < len(lines):
-        line = lines[i]
-        if line.startswith("diff --git "):
-            current = FileDiff(path=line.split(" b/", 1)[1].strip(), new_file=False)
-            diffs.append(current)
-        elif current is not None and line.startswith("new file mode"):
-            current.new_file = True
-        elif current is not None and (match := _HUNK_HEADER.match(line)):
-            old_count = int(match.group(2) or 1)
-            new_count = int(match.group(4) or 1)
-            hunk = Hunk(old_start=int(match.group(1)), new_start=int(match.group(3)))
-            # A hunk ends when both sides are complete; what follows (the next diff, or the
-            # "-- " signature of a format-patch mail) is not part of it.
-            while old_count > 0 or new_count > 0:
-                i += 1
-                body = lines[i]
-                if body.startswith("\\"):  # "\ No newline at end of file"
-                    continue
-                tag = body[0] if body[0] in " -+" else " "
-                if body in ("\n", "\r\n"):  # an empty context line whose space was stripped
-                    body = " " + body
-                hunk.lines.append(body)
-                old_count -= tag in " -"
-                new_count -= tag in " +"
-            current.hunks.append(hunk)
-        i += 1
-    return diffs
+def git_apply(tree: Path, *args: str) -> subprocess.CompletedProcess:
+    """``git apply ARGS`` in ``tree``, treated as a plain directory.
 
-
-def apply_file_diff(text: str | None, diff: FileDiff, reverse: bool = False) -> str:
-    """``text`` with ``diff`` applied (or reverted); raises PatchError if any hunk mismatches."""
-    if diff.new_file:
-        if reverse:
-            return ""
-        if text:
-            raise PatchError(f"{diff.path} already exists; the series would create it")
-        return "".join(diff.hunks[0].side("+")) if diff.hunks else ""
-    if text is None:
-        raise PatchError(f"{diff.path} does not exist")
-    old_tag, new_tag = ("+", "-") if reverse else ("-", "+")
-    result = text.splitlines(keepends=True)
-    # Where the previous hunks landed relative to their headers: the next hunk is looked for
-    # there first (the same rule as patch's offset, without its fuzz).
-    shift = 0
-    for hunk in diff.hunks:
-        old = hunk.side(old_tag)
-        header_start = (hunk.new_start if reverse else hunk.old_start) - 1
-        position = _find_block(result, old, header_start + shift)
-        if position is None:
-            raise PatchError(
-                f"{diff.path}: hunk at line {header_start + 1} does not match "
-                f"({'reverse' if reverse else 'forward'})"
-            )
-        new = hunk.side(new_tag)
-        result[position : position + len(old)] = new
-        shift = position - header_start + len(new) - len(old)
-    return "".join(result)
-
-
-def _find_block(lines: list[str], block: list[str], hint: int) -> int | None:
-    """Where ``block`` occurs in ``lines``: at ``hint`` if it matches there, else the nearest
-    match. No fuzz: every line must be equal."""
-    size = len(block)
-
-    def matches(at: int) -> bool:
-        return 0 <= at and at + size <= len(lines) and lines[at : at + size] == block
-
-    if matches(hint):
-        return hint
-    for distance in range(1, len(lines) + 1):
-        for at in (hint - distance, hint + distance):
-            if matches(at):
-                return at
-        if hint - distance < 0 and hint + distance > len(lines):
-            break
-    return None
-
-
-def apply_diffs(
-    read: dict[str, str | None], diffs: list[FileDiff], reverse: bool = False
-) -> dict[str, str]:
-    """New texts for every path the diffs touch, computed in memory (nothing is written).
-
-    ``read`` maps each path to its current text (None if absent). Reverse application undoes the
-    diffs last first, as ``git revert`` of a series would.
+    Inside a git work tree (a venv under a checkout, say) ``git apply`` would take paths relative
+    to that repository and silently skip the ones outside the current directory; the ceiling stops
+    it from finding any repository above ``tree``.
     """
-    texts: dict[str, str | None] = dict(read)
-    for diff in reversed(diffs) if reverse else diffs:
-        texts[diff.path] = apply_file_diff(texts.get(diff.path), diff, reverse=reverse)
-    return {path: text for path, text in texts.items() if text is not None}
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(Path(tree).resolve().parent))
+    return subprocess.run(
+        ["git", "apply", *args], cwd=tree, env=env, capture_output=True, text=True
+    )
+
+
+def first_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[0] if lines else "(no output)"
+
+
+def apply_series(
+    files: dict[str, str], series: Series, reverse: bool = False, include: str | None = None
+) -> dict[str, str]:
+    """The texts after applying (or reverting) ``series`` to ``files`` (repository path -> text).
+
+    Only paths matching ``include`` (a ``git apply --include`` pattern) are touched. Computed in a
+    scratch directory; nothing is written elsewhere. Raises PatchError with git's first line.
+    """
+    with tempfile.TemporaryDirectory(prefix="vllm-seam-apply-") as tmp:
+        tree = Path(tmp)
+        for rel, text in files.items():
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tree / rel).write_text(text, encoding="utf-8")
+        options = (["-R"] if reverse else []) + ([f"--include={include}"] if include else [])
+        result = git_apply(tree, *options, *map(str, series.patches))
+        if result.returncode != 0:
+            direction = "reverse" if reverse else "forward"
+            raise PatchError(f"{series.ref} ({direction}): {first_line(result.stderr)}")
+        return {
+            path.relative_to(tree).as_posix(): path.read_text(encoding="utf-8")
+            for path in tree.rglob("*")
+            if path.is_file()
+        }
 
 
 def scheduler_text(source: str, series: Series, reverse: bool = False) -> str:
-    """``scheduler.py`` with the series' scheduler change applied (or reverted)."""
-    return apply_diffs({SCHEDULER_PATH: source}, series.scheduler_diffs(), reverse)[SCHEDULER_PATH]
+    """``scheduler.py`` text ``source`` with the series' scheduler change applied (or reverted)."""
+    files = apply_series({SCHEDULER_PATH: source}, series, reverse, include=SCHEDULER_PATH)
+    return files[SCHEDULER_PATH]
+
+
+def seam_test_text(series: Series) -> str:
+    """The unit test file the series adds to vLLM's tests/."""
+    return apply_series({}, series, include=SEAM_TEST_PATH)[SEAM_TEST_PATH]
+
+
+def numstat(series: Series) -> dict[str, tuple[int, int]]:
+    """Lines added and removed per path (``git apply --numstat``)."""
+    out = git_apply(PATCH_ROOT, "--numstat", *map(str, series.patches)).stdout
+    counts: dict[str, tuple[int, int]] = {}
+    for line in out.splitlines():
+        added, removed, path = line.split("\t")
+        before = counts.get(path, (0, 0))
+        counts[path] = (before[0] + int(added), before[1] + int(removed))
+    return counts
 
 
 @dataclass(frozen=True)
@@ -210,18 +138,19 @@ class Match:
     already_seamed: bool
 
 
-def match_series(source: str, preferred_ref: str | None = None) -> Match:
+def match_series(source: str, version: str | None = None) -> Match:
     """The series that fits ``scheduler.py`` text ``source``, and whether it is applied already.
 
-    The series named after ``preferred_ref`` (the installed version) is tried first; then every
-    other series, newest first, so a fork or a post-release build whose scheduler equals some
-    release still finds its series. A series "fits" when it applies forward (not seamed yet) or in
-    reverse (seamed already) without fuzz. Raises PatchError if none fits.
+    The first series at or above ``version`` (the installed release: its own series, or the newer
+    one that serves it) is tried first; then every other series, newest first, so a fork or a
+    post-release build whose scheduler equals some release still finds its series. A series fits
+    when it applies forward (not seamed yet) or in reverse (seamed already). Raises PatchError if
+    none fits.
     """
     candidates = all_series()[::-1]
-    preferred = series_for_ref(preferred_ref) if preferred_ref else None
-    if preferred is not None:
-        candidates = [preferred] + [s for s in candidates if s.ref != preferred.ref]
+    if version:
+        at_or_above = [s for s in candidates[::-1] if s.version >= Version(version)][:1]
+        candidates = at_or_above + [s for s in candidates if s not in at_or_above]
     for series in candidates:
         for reverse in (False, True):
             try:
@@ -233,6 +162,32 @@ def match_series(source: str, preferred_ref: str | None = None) -> Match:
         f"no series in {PATCH_ROOT} applies to this {SCHEDULER_PATH} "
         f"(tried {', '.join(s.ref for s in candidates) or 'none'})"
     )
+
+
+def split_at_seam_method(source: str) -> tuple[str, str, str]:
+    """``source`` as (before, the seam method, after); the method ends where the next one starts."""
+    head, rest = source.split(f"    def {SEAM_METHOD}(", 1)
+    body, tail = rest.split("\n    def ", 1)
+    return head, f"    def {SEAM_METHOD}({body}\n", f"    def {tail}"
+
+
+def wheel_for(version: str, wheel_dir: Path, package: str = "vllm") -> Path:
+    """The release's wheel in ``wheel_dir``, downloaded (no dependencies) on first use."""
+    stem = package.replace("-", "_")
+    found = sorted(wheel_dir.glob(f"{stem}-{version}-*.whl"))
+    if not found:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+             "-d", str(wheel_dir), f"{package}=={version}"],
+            check=True,
+        )  # fmt: skip
+        found = sorted(wheel_dir.glob(f"{stem}-{version}-*.whl"))
+    return found[0]
+
+
+def wheel_scheduler_source(wheel: Path) -> str:
+    with zipfile.ZipFile(wheel) as archive:
+        return archive.read(SCHEDULER_PATH).decode("utf-8")
 
 
 def installed_vllm_root() -> Path:

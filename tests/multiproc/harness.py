@@ -31,7 +31,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import tempfile
 import time
 import zlib
@@ -171,12 +170,6 @@ def _pid_exists(pid: int) -> bool:
         return False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main_thread_frames(stack_dump: str) -> list[str]:
     """Function names (innermost first) of the thread running the engine-core busy loop."""
     threads = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack_dump)
@@ -227,8 +220,8 @@ class Cluster:
 
     # ---- lifecycle
     def __enter__(self) -> Cluster:
-        # One retry: on a shared machine a port picked by free_port() can be taken before rank 0
-        # binds it, and then the gloo rendezvous never completes. The first error is kept.
+        # One retry: on a shared machine a port picked by get_open_port() can be taken before
+        # rank 0 binds it, and then the gloo rendezvous never completes. The first error is kept.
         try:
             self.start()
         except RuntimeError as first:
@@ -257,7 +250,7 @@ class Cluster:
 
     def start(self) -> None:
         import zmq
-        from vllm.utils.network_utils import make_zmq_socket
+        from vllm.utils.network_utils import get_open_port, make_zmq_socket
         from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
         self.zmq = zmq
@@ -286,8 +279,8 @@ class Cluster:
         # the engine core's DP group pops the last one, the stand-in EP group the next.
         self.parallel_config = {
             "data_parallel_master_ip": "127.0.0.1",
-            "data_parallel_master_port": free_port(),
-            "_data_parallel_master_port_list": [free_port(), free_port()],
+            "data_parallel_master_port": get_open_port(),
+            "_data_parallel_master_port_list": [get_open_port(), get_open_port()],
             "data_parallel_size": self.dp_size,
         }
         env = {"VLLM_LOGGING_LEVEL": "WARNING", **self.extra_env}

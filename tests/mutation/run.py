@@ -23,12 +23,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from junit import junit_outcomes  # noqa: E402
 from mutants import MUTANTS  # noqa: E402
 
 DOC = ROOT / "docs" / "mutation.md"
@@ -67,12 +68,12 @@ def run_pytest(mutant: str, files: list[str], profile: str) -> dict:
 
 
 def _failed_tests(junit: Path) -> list[str]:
-    failed = []
-    for case in ET.parse(junit).iter("testcase"):
-        if case.find("failure") is not None or case.find("error") is not None:
-            module = case.get("classname", "").rsplit(".", 1)[-1]
-            failed.append(f"{module}::{case.get('name')}")
-    return failed
+    """``module::test`` of every failed (or errored) test."""
+    return [
+        f"{test_id.split('::')[0].rsplit('.', 1)[-1]}::{test_id.split('::', 1)[1]}"
+        for test_id, outcome in junit_outcomes(junit).items()
+        if outcome == "failed"
+    ]
 
 
 def active_path() -> str:

@@ -8,9 +8,10 @@ scheduler's queues, per-request progress and free KV blocks. An exception on one
 outcome too: it is compared like any other (a wrong seam that trips ``schedule()``'s own
 ``assert len(self.running) <= max_num_running_reqs`` diverges, it does not crash the test).
 
-The two classes come from :mod:`seam_patch`: the installed module, and a copy of its source with
-the series applied (or reverted, when the installed vLLM is the seamed one) loaded under another
-module name. Used by tests/test_seam_neutrality.py and by reach.py.
+The two classes come from upstream_patch/seam_patch.py: the installed module, and a copy of its
+source with the series applied (or reverted, when the installed vLLM is the seamed one) loaded
+under another module name. Used by tests/test_seam_neutrality.py (which ``nox -s reach --seam``
+runs per release) and by ``benchmarks/run.py --parts seam``.
 """
 
 from __future__ import annotations
@@ -18,21 +19,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from seam_patch import (
+import factories
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "upstream_patch"))
+from seam_patch import (  # noqa: E402
     SCHEDULER_MODULE,
     SEAM_METHOD,
     installed_version,
     load_scheduler_module,
     match_series,
     scheduler_text,
+    split_at_seam_method,
 )
-
-from vllm_balance import factories
 
 
 class Divergence(AssertionError):
@@ -92,9 +97,8 @@ def mutant(patched_source: str, name: str) -> type:
     the slot limit. ``cap_minus_one``: the limit minus one, the variant that once shipped in
     vllm-ascend and was reverted for a TTFT regression: admits one request too few.
     """
-    head, rest = patched_source.split(f"def {SEAM_METHOD}(", 1)
-    body, tail = rest.split("\n    def ", 1)
-    lines = body.split("\n")
+    head, method, tail = split_at_seam_method(patched_source)
+    lines = method.split("\n")
     at = max(i for i, ln in enumerate(lines) if ln.strip().startswith("return "))
     if name == "off_by_one_gt":
         wrong, count = re.subn(r">=|==", ">", lines[at])
@@ -104,7 +108,7 @@ def mutant(patched_source: str, name: str) -> type:
         raise ValueError(name)
     assert count == 1, f"mutant {name}: cannot find its target in {lines[at]!r}"
     lines[at] = wrong
-    source = head + f"def {SEAM_METHOD}(" + "\n".join(lines) + "\n    def " + tail
+    source = head + "\n".join(lines) + tail
     return load_scheduler_module(source, f"vllm_balance_mutant_{name}_scheduler").Scheduler
 
 
