@@ -168,7 +168,7 @@ def pytest_problems(args: list[str], registered: list[str]) -> list[str]:
     ``registered``: pytest's own ``markers`` ini lines (``name: help``).
     """
     own_tests = script_module("upstream_patch/run_vllm_tests.py")
-    vllm_tree = {own_tests.ENTRY_TEST, own_tests.SEAM_TEST}
+    vllm_tree = {own_tests.ENTRY_TEST, own_tests.ASYNC_TEST, own_tests.SEAM_TEST}
     markers = {line.split(":")[0].strip() for line in registered}
     problems, words = [], iter(args)
     for word in words:

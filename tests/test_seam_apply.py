@@ -3,16 +3,15 @@
 ``git`` mode runs on a scratch git repository holding the installed vLLM's scheduler.py at
 upstream's path (the unpatched text: reverted first if the seam sessions patched the install), so
 ``git apply`` meets the same blobs it meets on a real vLLM checkout; the commit's author is the
-identity in the (test's) git configuration, never one the series invents. ``installed`` mode writes to a
-copy of the installed tree (``--root``); against the real install it runs only as ``--check``,
-because the shared test venvs must not change (the nox seam sessions apply it for real, and
-tests/test_seam_neutrality.py checks that they did).
+identity in the (test's) git configuration, never one the series invents. ``installed`` mode
+writes to a copy of the installed tree (``--root``); against the real install it runs only as
+``--check``, because the shared test venvs must not change (the nox seam sessions apply it for
+real, and tests/test_seam_neutrality.py checks that they did).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,6 @@ ROOT = Path(__file__).resolve().parent.parent
 APPLY = ROOT / "upstream_patch" / "apply.py"
 sys.path.insert(0, str(ROOT / "upstream_patch"))
 
-from make_series import serving_series  # noqa: E402
 from seam_patch import (  # noqa: E402
     SCHEDULER_PATH,
     SEAM_METHOD,
@@ -32,6 +30,7 @@ from seam_patch import (  # noqa: E402
     installed_vllm_root,
     match_series,
     scheduler_text,
+    serving_series,
 )
 
 # The submitter's git configuration, as a test stands it in: apply.py must use it, not invent one.

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "upstream_patch"))
 
-from make_series import MESSAGE, check_series, serving_series  # noqa: E402
+from make_series import MESSAGE, check_series  # noqa: E402
 from seam_patch import (  # noqa: E402
     SCHEDULER_PATH,
     SEAM_METHOD,
@@ -29,6 +29,7 @@ from seam_patch import (  # noqa: E402
     match_series,
     numstat,
     scheduler_text,
+    serving_series,
 )
 
 from pins import PIN_NAMES, read_pin  # noqa: E402

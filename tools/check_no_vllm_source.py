@@ -53,7 +53,7 @@ def shared_runs(repo: Path, vllm_dir: Path, run_length: int = 6) -> list[str] | 
     # A vLLM with the seam applied carries our own lines (the series' "+" lines): not vLLM's.
     authored = {
         " ".join(line[1:].split())
-        for patch in repo.glob("upstream_patch/v*/*.patch")
+        for patch in repo.glob("upstream_patch/v[0-9]*/*.patch")
         for line in patch.read_text(encoding="utf-8").splitlines()
         if line.startswith("+")
     }

@@ -109,12 +109,6 @@ REGISTRY: tuple[Route, ...] = (
         NOX_NAMES + "; some test name in tests/ contains the `-k` word",
     ),
     Route(
-        r"nox -s tests-release-seam tests-main-seam",
-        CI,
-        "default sessions `tests-release-seam`, `tests-main-seam`",
-        NOX_NAMES,
-    ),
-    Route(
         r"nox -s (soak|ascend|mutation|vllm-own-tests|reach)",
         ON_DEMAND,
         "that nox session",
@@ -146,27 +140,34 @@ REGISTRY: tuple[Route, ...] = (
         ARGPARSE,
     ),
     Route(
-        r"python upstream_patch/apply\.py git <vllm-checkout> --ref v<release>",
+        r"python upstream_patch/apply\.py git <vllm-checkout> --ref v\d+\.\d+\.\d+ --signoff",
         CI,
-        "tests/test_seam_apply.py runs `apply.py git` on a scratch vLLM repository",
+        "tests/test_seam_apply.py runs `apply.py git` (with and without `--signoff`) on a scratch "
+        "vLLM repository",
         ARGPARSE + " (placeholders filled)",
     ),
     Route(
-        r"git <checkout> \[--ref REF\]",
+        r"git <checkout> \[--ref REF\] \[--signoff\]",
         CI,
         "synopsis of `apply.py git`, run by tests/test_seam_apply.py",
         "parsed as `apply.py` arguments (brackets dropped, placeholders filled)",
     ),
     Route(
-        r"git am",
+        r"git apply( --check/-R)?",
         CI,
-        "not a command of its own: `apply.py git` runs it (tests/test_seam_apply.py)",
+        "not a command of its own: upstream_patch/seam_patch.py runs it (tests/test_seam_apply.py)",
         "-",
     ),
     Route(
-        r"git format-patch",
+        r"git commit --amend -s",
         BY_HAND,
-        "not a command of its own: `upstream_patch/make_series.py` runs it",
+        "the submitter signs off (vLLM's DCO), if `apply.py git` ran without `--signoff`",
+        "-",
+    ),
+    Route(
+        r"pre-commit run",
+        BY_HAND,
+        "the submitter, on the vLLM checkout (vLLM's own pre-commit hooks)",
         "-",
     ),
     Route(
@@ -189,10 +190,23 @@ REGISTRY: tuple[Route, ...] = (
         ARGPARSE,
     ),
     Route(
-        r"pytest tests/v1/core/test_scheduler_admission_seam\.py tests/v1/core/test_scheduler\.py",
+        r"pytest tests/v1/core/test_scheduler_admission\.py tests/v1/core/test_scheduler\.py "
+        r"tests/v1/core/test_async_scheduler\.py",
         ON_DEMAND,
-        "`nox -s vllm-own-tests` runs both files from the release sdist, in vLLM's tree",
-        "both paths are the ones upstream_patch/run_vllm_tests.py runs",
+        "`nox -s vllm-own-tests` runs the three files from the release sdist, in vLLM's tree",
+        "the paths are the ones upstream_patch/run_vllm_tests.py runs",
+    ),
+    Route(
+        r"nox -s vllm-own-tests -- \d+\.\d+\.\d+",
+        ON_DEMAND,
+        "`nox -s vllm-own-tests` (the release goes to upstream_patch/run_vllm_tests.py)",
+        NOX_NAMES,
+    ),
+    Route(
+        r"python upstream_patch/run_vllm_tests\.py --release \d+\.\d+\.\d+",
+        ON_DEMAND,
+        "`nox -s vllm-own-tests -- <release>`",
+        ARGPARSE,
     ),
     Route(
         r'python -m pytest tests/multiproc -m "not slow"',

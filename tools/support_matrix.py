@@ -24,7 +24,7 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "upstream_patch"))
-from seam_patch import all_series  # noqa: E402
+from seam_patch import all_series, serving_series  # noqa: E402
 
 from pins import PIN_NAMES, read_pin  # noqa: E402
 
@@ -117,8 +117,9 @@ def render(today: str) -> str:
     evidence = json.loads(EVIDENCE.read_text()) if EVIDENCE.exists() else {}
     series = {s.ref.removeprefix("v"): s.ref for s in all_series()}
     for release, runs in evidence.items():
-        if runs.get("seam", {}).get("applies") == "yes":
-            series[release] = runs["seam"]["series"]
+        served = serving_series(release)
+        if runs.get("seam", {}).get("applies") == "yes" and served is not None:
+            series[release] = served.ref
     releases = sorted(set(series) | compat | set(evidence) | set(pinned) - {None}, key=Version)
     rows, costs, cpu = [], [], []
     for release in releases:
@@ -127,7 +128,9 @@ def render(today: str) -> str:
         name = f"{release} ({pin})" if pin else release
         usable = {
             "compat": "yes (fingerprint verified)" if release in compat else "refused (unverified)",
-            "shim": f"with `upstream_patch/{series[release]}/`" if release in series else "no series",
+            "shim": (
+                f"with `upstream_patch/{series[release]}/`" if release in series else "no series"
+            ),
         }
         rows += [_path_row(name, path, runs.get(path), pin, usable[path]) for path in usable]
         if "cost" in runs:

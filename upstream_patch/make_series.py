@@ -48,6 +48,7 @@ from seam_patch import (  # noqa: E402
     Series,
     all_series,
     apply_series,
+    serving_series,
     split_at_seam_method,
     wheel_for,
     wheel_scheduler_source,
@@ -64,14 +65,17 @@ which returns exactly what the inline check computed, and call it from the
 same place in the loop. No behaviour change.{note}
 
 A scheduler subclass can then hold back admission for a step by overriding
-one method instead of copying schedule() (about 700 lines, which go stale
-with every release). The case at hand is data-parallel balance for MoE
+one method instead of copying schedule() (more than 700 lines, which go
+stale with every release). The case at hand is data-parallel balance for MoE
 models (RFC #29722): every DP rank stops admitting while any rank's batch is
 full, e.g.
 
     class BalanceScheduler(AsyncScheduler):
         def {method}(self) -> bool:
             return super().{method}() or self.admission_frozen
+
+The leading underscore keeps the method private: like Scheduler's other
+`_` methods, it carries no stability promise to subclasses.
 
 The new tests override the method on Scheduler and on AsyncScheduler.
 """
@@ -188,24 +192,54 @@ def test_default_counts_paused_streaming_sessions(async_scheduling):
     # The paused session keeps its slot: one of the two is left to admit.
     assert len(output.scheduled_new_reqs) == 1
     assert scheduler.{method}()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_override_holds_back_a_streaming_continuation(monkeypatch, async_scheduling):
+    # The session keeps its KV blocks between turns: the override holds back
+    # waiting requests that already hold KV, not only new ones.
+    scheduler = create_scheduler(async_scheduling=async_scheduling)
+    (session,) = create_requests(num_requests=1, max_tokens=1, req_ids=["session"])
+    session.resumable = True
+    scheduler.add_request(session)
+    _step(scheduler)
+    assert session.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    hold = True
+    monkeypatch.setattr(scheduler, "{method}", lambda: hold)
+    (next_turn,) = create_requests(num_requests=1, max_tokens=1, req_ids=["session"])
+    next_turn.resumable = True
+    scheduler.add_request(next_turn)
+
+    assert _step(scheduler).total_num_scheduled_tokens == 0
+    assert session.num_computed_tokens > 0
+
+    hold = False
+    assert "session" in _step(scheduler).num_scheduled_tokens
 """
 
 TEST_ACTIVE_SEQS = """
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_default_stops_at_max_num_active_seqs(async_scheduling):
+def test_override_composes_with_max_num_active_seqs(monkeypatch, async_scheduling):
+    # The default reads the active-request limit, not max_num_seqs: an
+    # override that defers to it admits up to max_num_active_seqs.
     scheduler = create_scheduler(
-        max_num_seqs=16, max_num_active_seqs=3, async_scheduling=async_scheduling
+        max_num_seqs=8, max_num_active_seqs=2, async_scheduling=async_scheduling
     )
-    for request in create_requests(num_requests=10):
+    default = scheduler.{method}
+    hold = True
+    monkeypatch.setattr(
+        scheduler, "{method}", lambda: hold or default()
+    )
+    for request in create_requests(num_requests=4):
         scheduler.add_request(request)
-    assert not scheduler.{method}()
 
-    output = scheduler.schedule()
+    assert _step(scheduler).scheduled_new_reqs == []
 
-    assert len(output.scheduled_new_reqs) == 3
+    hold = False
+    assert len(_step(scheduler).scheduled_new_reqs) == 2
     assert len(scheduler.running) < scheduler.max_num_running_reqs
-    assert scheduler.{method}()
+    assert default()
 """
 
 _SLOT_CHECK = re.compile(r"^(?P<indent>\s*)if (?P<cond>.*\bself\.max_num_\w+_reqs\b.*):\s*$")
@@ -322,9 +356,7 @@ def _results(source: str, patches: list[Path] | tuple[Path, ...]) -> dict[str, s
 
 def serves(series: Series, source: str, text: str) -> bool:
     """Whether ``series`` gives, from ``source``, byte for byte what patch ``text`` gives."""
-    if _LOCATION.sub("", series.patches[0].read_text(encoding="utf-8")) != _LOCATION.sub(
-        "", text
-    ):
+    if _LOCATION.sub("", series.patches[0].read_text(encoding="utf-8")) != _LOCATION.sub("", text):
         return False
     with tempfile.TemporaryDirectory(prefix="vllm-seam-text-") as tmp:
         generated = Path(tmp) / PATCH_NAME
@@ -379,12 +411,6 @@ def check_series(version: str, source: str) -> str | None:
     if newer is None or not serves(newer, source, text):
         return f"no stored series gives v{version}'s patch (run make_series.py {version})"
     return None
-
-
-def serving_series(version: str) -> Series | None:
-    """The stored series for ``version``: its own directory, else the nearest newer one."""
-    own = PATCH_ROOT / f"v{version}"
-    return next((s for s in all_series() if s.directory == own), None) or neighbours(version)[1]
 
 
 def build_parser() -> argparse.ArgumentParser:

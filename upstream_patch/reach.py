@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import support_matrix  # noqa: E402
 from apply import apply_installed  # noqa: E402
 from junit import junit_outcomes, tally  # noqa: E402
-from make_series import SeamError, check_series, serving_series  # noqa: E402
+from make_series import SeamError, check_series  # noqa: E402
 from run_vllm_tests import CACHE  # noqa: E402
 from seam_patch import (  # noqa: E402
     SCHEDULER_PATH,
@@ -67,6 +67,7 @@ from seam_patch import (  # noqa: E402
     PatchError,
     numstat,
     scheduler_text,
+    serving_series,
     split_at_seam_method,
     wheel_for,
     wheel_scheduler_source,

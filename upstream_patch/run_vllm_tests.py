@@ -1,6 +1,6 @@
 """Run vLLM's own scheduler tests on the unpatched and the patched scheduler of the installed vLLM.
 
-    python upstream_patch/run_vllm_tests.py [--release X] [--report FILE] [--balance] [-- pytest args]
+    python upstream_patch/run_vllm_tests.py [--release X] [--report FILE] [--balance] [-- ARGS]
 
 This is what an upstream reviewer's CI runs first. ``--release X`` runs on vLLM release X instead
 of the installed vLLM: its wheel, unpacked into a scratch directory that comes first on the test
@@ -403,7 +403,8 @@ def balance_sides(tree: Path, pytest_args: list[str]) -> tuple[dict, list[str]]:
     return sides, problems
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", type=Path, help="write the result as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the extracted tree and logs")
@@ -413,7 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--release", help="a vLLM release to run on instead of the installed one")
     parser.add_argument("--wheel-dir", type=Path, default=Path("/tmp/wheels"))
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     if args.release:
         version = args.release

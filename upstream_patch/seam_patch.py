@@ -54,7 +54,7 @@ class Series:
 def all_series(root: Path = PATCH_ROOT) -> list[Series]:
     """Every series directory under ``root`` (one holding ``*.patch``), oldest first."""
     found = []
-    for directory in root.glob("v*"):
+    for directory in root.glob("v[0-9]*"):  # not vllm-ascend/: that series is for vllm-ascend
         patches = tuple(sorted(directory.glob("*.patch")))
         if patches:
             found.append(Series(directory.name, directory, patches))
@@ -62,9 +62,15 @@ def all_series(root: Path = PATCH_ROOT) -> list[Series]:
 
 
 def series_for_ref(ref: str, root: Path = PATCH_ROOT) -> Series | None:
-    """The series stored under ``ref``'s name (``0.24.0`` and ``v0.24.0`` both name ``v0.24.0/``)."""
+    """The series stored under ``ref``'s name (``0.24.0`` or ``v0.24.0`` names ``v0.24.0/``)."""
     wanted = {ref, f"v{ref}", ref.removeprefix("v")}
     return next((s for s in all_series(root) if s.ref in wanted), None)
+
+
+def serving_series(version: str) -> Series | None:
+    """The stored series that serves release ``version``: its own, else the nearest newer one
+    (``make_series.py`` stores a release only where its text differs from that one's)."""
+    return next((s for s in all_series() if s.version >= Version(version)), None)
 
 
 def git_apply(tree: Path, *args: str) -> subprocess.CompletedProcess:
@@ -148,9 +154,9 @@ def match_series(source: str, version: str | None = None) -> Match:
     none fits.
     """
     candidates = all_series()[::-1]
-    if version:
-        at_or_above = [s for s in candidates[::-1] if s.version >= Version(version)][:1]
-        candidates = at_or_above + [s for s in candidates if s not in at_or_above]
+    serving = serving_series(version) if version else None
+    if serving is not None:
+        candidates = [serving] + [s for s in candidates if s != serving]
     for series in candidates:
         for reverse in (False, True):
             try:
