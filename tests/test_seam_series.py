@@ -127,3 +127,28 @@ def test_pr_description_shows_the_newest_series_diff():
     scheduler_part = patch.split(f"+++ b/{SCHEDULER_PATH}\n", 1)[1]
     assert quoted.group(1) == scheduler_part
     assert f"vLLM {SERIES[-1].ref.removeprefix('v')}" in doc
+
+
+def test_the_pr_example_holds_back_admission_on_async_scheduling():
+    """docs/upstream-pr.md's example, run as written, on a real AsyncScheduler with the seam:
+    frozen, it admits nothing; released, it admits (the seam sessions run it)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    if not hasattr(AsyncScheduler, SEAM_METHOD):
+        pytest.skip("this vLLM has no seam (the *-seam sessions apply it)")
+    from factories import make_request, make_scheduler, request_specs
+
+    doc = (ROOT / "docs" / "upstream-pr.md").read_text(encoding="utf-8")
+    example = re.search(r"```python\n(.*?)```", doc, re.S)
+    assert example, "docs/upstream-pr.md has no ```python example"
+    namespace: dict = {}
+    exec(example.group(1), namespace)
+    scheduler = make_scheduler(namespace["BalanceScheduler"], async_scheduling=True)
+    scheduler.admission_frozen = True
+    for spec in request_specs(3):
+        scheduler.add_request(make_request(spec))
+
+    assert scheduler.schedule().scheduled_new_reqs == []
+
+    scheduler.admission_frozen = False
+    assert len(scheduler.schedule().scheduled_new_reqs) == 3
