@@ -114,8 +114,9 @@ def _repeated(gather):
 
 def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
     import torch.distributed as dist
-    from run import _configs, _free_port, _prepared_scheduler, unwatched_gather
+    from run import _configs, _prepared_scheduler, unwatched_gather
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+    from vllm.utils.network_utils import get_open_port
     from vllm.v1.core.sched.scheduler import Scheduler
 
     import vllm_balance
@@ -126,7 +127,7 @@ def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
         make_vllm_config(additional_config={"enable_balance_scheduling": True}),
     )
     gatherer.dp_group = stateless_init_torch_distributed_process_group(
-        "127.0.0.1", _free_port(), 0, 1, backend="gloo"
+        "127.0.0.1", get_open_port(), 0, 1, backend="gloo"
     )
     real_all_gather = dist.all_gather
     labels: list[str] = []
