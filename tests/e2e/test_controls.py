@@ -29,6 +29,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 CONTROL_STALL_S = 30.0
 # Survivors and the front end notice a dead engine core within seconds (measured 3-10 s).
 FAULT_WINDOW_S = 60.0
+# Lesson B's wave-start load: single requests, one wave each, until the placement hangs.
+LESSON_B_WAVES = 10
 # Slack allowed to balance on over balance off in time-to-failure (noise on 2 cores).
 FAULT_SLACK_S = 10.0
 
@@ -48,6 +50,7 @@ def test_lesson_a_gather_inside_schedule_hangs_the_real_server_silently(server_r
             send_concurrently(server.base_url, make_prompts(LOAD_REQUESTS), stall_s=CONTROL_STALL_S)
         health_while_hung = server.http_status("/health")
         frames = engine_core_main_frames(server.dump_stacks())
+    print(f"lesson A: {stall.value}; /health {health_while_hung}; frames {frames}")
     assert "NEGATIVE CONTROL lesson_a" in server.log_text()
     assert stall.value.outstanding, "a stall with nothing outstanding is not a hang"
     assert health_while_hung == 200, "lesson A is silent: /health keeps answering"
@@ -62,23 +65,27 @@ def test_lesson_a_gather_inside_schedule_hangs_the_real_server_silently(server_r
 def test_lesson_b_gather_inside_process_engine_step_hangs_the_real_server(server_runs):
     """Lesson B: a rank with nothing to run reaches the gather before its dummy forward.
 
-    On the real server this happens whenever one rank has work and the other does not: at a
-    wave start (one request to an idle server) and when one rank drains first.
+    The designated load is a wave start: one request to an idle server, so one rank steps its
+    model while the other, woken by START_DP_WAVE, has nothing to run. (The 48-request burst
+    does not hang this placement: measured, both ranks stay busy to the end, see docs/e2e.md.)
+    Waves are sent one at a time, each after the previous finished, up to ``LESSON_B_WAVES``.
     """
     server = control_server(server_runs, "lesson-b", "lesson_b")
+    waves = 0
     with server:
         with pytest.raises(Stall) as stall:
-            send_concurrently(server.base_url, make_prompts(LOAD_REQUESTS), stall_s=CONTROL_STALL_S)
+            for prompt in make_prompts(LESSON_B_WAVES, seed=2):
+                waves += 1
+                send_concurrently(server.base_url, [prompt], stall_s=CONTROL_STALL_S)
         health_while_hung = server.http_status("/health")
         frames = engine_core_main_frames(server.dump_stacks())
+    print(f"lesson B: wave {waves}: {stall.value}; /health {health_while_hung}; frames {frames}")
     assert "NEGATIVE CONTROL lesson_b" in server.log_text()
     assert stall.value.outstanding and health_while_hung == 200
     in_gather = [
         n for n, f in frames.items() if "_process_engine_step" in f and "balance_gather" in f
     ]
-    in_forward = [
-        n for n, f in frames.items() if "execute_model" in f or "execute_dummy_batch" in f
-    ]
+    in_forward = [n for n, f in frames.items() if "execute_model" in f]
     assert in_gather and in_forward, frames
     assert server.leftovers() == [], server.stop_report
 
