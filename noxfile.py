@@ -230,15 +230,20 @@ def install_e2e(session: nox.Session) -> None:
     session.run("python", "upstream_patch/apply.py", "installed", "--revert")
 
 
+def e2e_basetemp(session: nox.Session) -> str:
+    """Server logs, model and stacks under the session's own tmp, kept until its next run."""
+    return f"--basetemp={Path(session.create_tmp()) / 'pytest'}"
+
+
 @nox.session
 def e2e(session: nox.Session) -> None:
     """A real vLLM server on CPU, DP=2 tiny MoE: balance off / shim / compat (tests/e2e)."""
     install_e2e(session)
-    run_pytest(session, "not slow", "tests/e2e")
+    run_pytest(session, "not slow", e2e_basetemp(session), "tests/e2e")
 
 
 @nox.session(name="e2e-controls")
 def e2e_controls(session: nox.Session) -> None:
     """The real server's negative controls (lessons A and B) and SIGKILL faults (slow)."""
     install_e2e(session)
-    run_pytest(session, "slow", "tests/e2e")
+    run_pytest(session, "slow", e2e_basetemp(session), "tests/e2e")

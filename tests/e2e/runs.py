@@ -65,7 +65,8 @@ class ServerRun:
     metrics_text: str = ""
     stop_report: dict = field(default_factory=dict)
     leftovers: list[str] = field(default_factory=list)
-    log: str = ""
+    serving_log: str = ""  # start-up and load, before the stop began
+    log: str = ""  # everything, shutdown included
 
     def texts(self) -> dict[str, str]:
         return {o.prompt.key: o.text for o in self.outcomes}
@@ -161,8 +162,7 @@ class RunCache:
             pytest.skip(self._skips[name])
         if name not in self._runs:
             mode = MODES[name]
-            self._seam_touched = True
-            set_seam(mode.seam)
+            self.set_seam(mode.seam)
             refusal = compat_refusal() if mode.path == "compat" else None
             if refusal:
                 self._skips[name] = refusal
@@ -173,6 +173,11 @@ class RunCache:
                 self._failures[name] = f"{name} server: {exc}"
                 raise
         return self._runs[name]
+
+    def set_seam(self, applied: bool) -> None:
+        """``set_seam`` for a server of this session; ``close()`` reverts it."""
+        self._seam_touched = True
+        set_seam(applied)
 
     def spec(self, mode: Mode, **changes) -> ServerSpec:
         return ServerSpec(
@@ -197,6 +202,7 @@ class RunCache:
                 record.metrics_status = server.http_status("/metrics")
                 if record.metrics_status == 200:
                     record.metrics_text = server.http_text("/metrics")
+                record.serving_log = server.log_text()
         finally:
             record.stop_report = server.stop()
             record.leftovers = server.leftovers()

@@ -203,7 +203,10 @@ class VllmServer:
         while time.monotonic() < deadline:
             self.note_processes()
             if self.process.poll() is not None:
-                raise ServerError(f"server exited with {self.process.returncode} during start-up")
+                raise ServerError(
+                    f"server exited with {self.process.returncode} during start-up\n"
+                    f"{self.log_tail()}"
+                )
             if self.http_status("/health", timeout_s=5) == 200:
                 self.started_after_s = time.monotonic() - self._started_at
                 return self.started_after_s
