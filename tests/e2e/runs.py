@@ -98,21 +98,19 @@ def installed_scheduler_source() -> str:
 def compat_refusal() -> str | None:
     """Why the compat path would refuse the installed (unpatched) vLLM; None if it accepts it.
 
-    The same fingerprint check compat runs at import (``compat/derive.py``), done here so a
-    refused release skips with a reason instead of spending a server start on the refusal.
+    compat's own check (``compat/derive.py``: the installed ``schedule()`` against
+    ``compat/fingerprints.json``), run here so a refused release skips with compat's reason
+    instead of spending a server start on the refusal.
     """
     from vllm_balance.compat import derive
 
     version = importlib.metadata.version(VLLM_DISTRIBUTION)
     schedule = derive.find_schedule(ast.parse(installed_scheduler_source()), version)
-    found = derive.fingerprint(schedule)
-    if found in derive.verified_fingerprints():
-        return None
-    return (
-        f"compat refuses {VLLM_DISTRIBUTION} {version}: Scheduler.schedule fingerprint {found} "
-        "is not verified in compat/fingerprints.json yet (the compat-reach work adds it); this "
-        "row runs as soon as it is"
-    )
+    try:
+        derive.check_verified(derive.fingerprint(schedule), version)
+    except derive.UnverifiedSchedule as refusal:
+        return f"compat refuses {VLLM_DISTRIBUTION} {version}: {refusal}"
+    return None
 
 
 # ------------------------------------------------------------------------ log lines
