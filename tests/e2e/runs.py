@@ -33,6 +33,10 @@ MODEL_DTYPE = "float32"
 BALANCE_ON = {"enable_balance_scheduling": True, "balance_log_interval_s": 0.5}
 # >= 40 concurrent requests on 2 ranks x 4 seats: most wait, so the cap is reached.
 LOAD_REQUESTS = 48
+# Then single requests, each after the previous finished: each one starts a DP wave on an idle
+# server with one rank busy and the other woken with nothing to run (the load on which the
+# lesson A and B placements hang every time: tests/e2e/test_controls.py).
+WAVES = 3
 # A healthy tiny-model server streams a token every few tens of ms even on a loaded machine.
 STALL_S = 60.0
 
@@ -59,6 +63,7 @@ class ServerRun:
     mode: Mode
     started_after_s: float | None = None
     outcomes: list[Outcome] = field(default_factory=list)
+    wave_outcomes: list[Outcome] = field(default_factory=list)
     stall: str | None = None  # the watchdog fired: what it saw and where each engine core was
     health_status: int | None = None
     metrics_status: int | None = None
@@ -73,7 +78,8 @@ class ServerRun:
 
     def save_outcomes(self, path: Path) -> None:
         """Every request and what came back, beside the server log (for a reader of a failure)."""
-        path.write_text(json.dumps([asdict(o) for o in self.outcomes], indent=1))
+        outcomes = self.outcomes + self.wave_outcomes
+        path.write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
 
 
 # ------------------------------------------------------------------------ the installed vLLM
@@ -142,6 +148,13 @@ def last_stats_per_rank(log: str) -> dict[int, dict]:
 
 
 # ------------------------------------------------------------------------ the runs
+def send_waves(base_url: str, waves: int, stall_s: float, outcomes: list[Outcome]) -> None:
+    """``waves`` single requests, each sent after the previous one finished (a DP wave start
+    each); their outcomes are appended to ``outcomes`` as they finish. Raises ``Stall``."""
+    for prompt in make_prompts(waves, seed=2):
+        outcomes += send_concurrently(base_url, [prompt], stall_s=stall_s)
+
+
 class RunCache:
     """``get(mode)`` runs that mode's server once per session and returns its record."""
 
@@ -192,6 +205,7 @@ class RunCache:
                     record.outcomes = send_concurrently(
                         server.base_url, make_prompts(LOAD_REQUESTS), stall_s=STALL_S
                     )
+                    send_waves(server.base_url, WAVES, STALL_S, record.wave_outcomes)
                 except Stall as stall:
                     frames = engine_core_main_frames(server.dump_stacks())
                     record.stall = f"{stall}; engine cores' busy-loop frames: {frames}"

@@ -1,9 +1,11 @@
 """Negative controls and faults on the real server (slow: ``nox -s e2e-controls``).
 
 - Lesson A: the gather moved into ``schedule()`` must hang the real server (no token for
-  ``CONTROL_STALL_S`` while requests are outstanding), with ``/health`` still answering 200 (so
-  only a token watchdog sees it); the hang is attributed from the engine cores' stacks and the
-  server is torn down with nothing left running. The shipped placement serves the same load.
+  ``CONTROL_STALL_S`` while requests are outstanding), with ``/health`` still answering 200; the
+  hang is attributed from the engine cores' stacks, the engine core waiting in the gather must
+  have logged the gather watchdog's ERROR (issue 24; the default ``balance_gather_warn_s``), and
+  the server is torn down with nothing left running. The load is a series of wave starts (single
+  requests to an idle server); the shipped placement serves the same load. Lesson B likewise.
 - Fault: SIGKILL one engine core mid-load, balance off and on side by side: clients get errors,
   not a hang, within ``FAULT_WINDOW_S``; the server exits or reports unhealthy; nothing is left.
 
@@ -13,24 +15,30 @@ Each control starts its own server (~2 min each on the 2-core machine), hence no
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+from dataclasses import dataclass
 
 import pytest
 
-from tests.e2e.load import BackgroundLoad, Stall, make_prompts, send_concurrently
-from tests.e2e.runs import LOAD_REQUESTS, MODES, ROOT
+from tests.e2e.load import BackgroundLoad, Stall, make_prompts
+from tests.e2e.runs import MODES, ROOT, WAVES, send_waves
 from tests.e2e.server import VllmServer, engine_core_main_frames
+from tests.multiproc.watchdog_log import assert_blocked_exactly, watchdog_lines
+from vllm_balance.config import DEFAULT_GATHER_WARN_S
+from vllm_balance.shim.watchdog import BLOCKED
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-# The shipped server streams a token every few tens of ms under this load; lesson A stops every
-# token for good within ~1 s of one rank draining.
+# The shipped server streams a token every few tens of ms; the misplaced gathers stop every token
+# for good at the first wave start.
 CONTROL_STALL_S = 30.0
 # Survivors and the front end notice a dead engine core within seconds (measured 3-10 s).
 FAULT_WINDOW_S = 60.0
-# Lesson B's wave-start load: single requests, one wave each, until the placement hangs.
-LESSON_B_WAVES = 10
+# The controls' wave-start load: single requests, one wave each, until the placement hangs
+# (both hang on the first).
+CONTROL_WAVES = 10
 # Slack allowed to balance on over balance off in time-to-failure (noise on 2 cores).
 FAULT_SLACK_S = 10.0
 
@@ -43,45 +51,78 @@ def control_server(server_runs, name: str, variant: str | None) -> VllmServer:
     return VllmServer(spec, server_runs.workdir / name)
 
 
-def test_lesson_a_gather_inside_schedule_hangs_the_real_server_silently(server_runs):
-    server = control_server(server_runs, "lesson-a", "lesson_a")
+def engine_core_rank(process_name: str) -> int:
+    """``VLLM::EngineCore_DP1 (4242)`` -> 1."""
+    match = re.search(r"EngineCore_DP(\d+)", process_name)
+    assert match, process_name
+    return int(match.group(1))
+
+
+def assert_gather_watchdog_reported(log: str, in_gather: list[str]) -> None:
+    """The engine cores stuck in the gather logged the watchdog's ERROR, the others nothing.
+
+    The controls run with the default ``balance_gather_warn_s`` (what an operator gets) and
+    stall for ``CONTROL_STALL_S``, several times that, before they look.
+    """
+    lines = watchdog_lines(log)
+    by_rank = {rank: [line for line in lines if line.rank == rank] for rank in (0, 1)}
+    assert_blocked_exactly(by_rank, [engine_core_rank(n) for n in in_gather], DEFAULT_GATHER_WARN_S)
+    blocked_lines = [text for text in log.splitlines() if BLOCKED in text]
+    assert all(" ERROR " in text for text in blocked_lines), blocked_lines[:4]
+
+
+@dataclass
+class ControlHang:
+    """What a control server did on the wave-start load before it was torn down."""
+
+    server: VllmServer
+    stall: Stall
+    waves_completed: int
+    health_while_hung: int | None
+    frames: dict[str, list[str]]
+
+
+def hang_on_wave_starts(server_runs, variant: str) -> ControlHang:
+    """The wave-start load (``runs.send_waves``, up to ``CONTROL_WAVES``) on a control server.
+
+    A request to an idle server starts a DP wave with one rank busy and the other woken with
+    nothing to run: the lesson A placement hangs there because the idle rank never enters
+    ``schedule()``, lesson B's because it reaches the gather before its dummy forward. (The
+    48-request burst hangs lesson A only when one rank happens to start with nothing: 1 of 3
+    runs did not, 2026-11-30; it did not hang lesson B in 1 run. See docs/e2e.md.)
+    """
+    server = control_server(server_runs, variant.replace("_", "-"), variant)
+    completed: list = []
     with server:
         with pytest.raises(Stall) as stall:
-            send_concurrently(server.base_url, make_prompts(LOAD_REQUESTS), stall_s=CONTROL_STALL_S)
+            send_waves(server.base_url, CONTROL_WAVES, CONTROL_STALL_S, completed)
         health_while_hung = server.http_status("/health")
         frames = engine_core_main_frames(server.dump_stacks())
-    print(f"lesson A: {stall.value}; /health {health_while_hung}; frames {frames}")
-    assert "NEGATIVE CONTROL lesson_a" in server.log_text()
+    hang = ControlHang(server, stall.value, len(completed), health_while_hung, frames)
+    print(f"{variant}: wave {len(completed) + 1}: {stall.value}; /health {health_while_hung}")
+    print(f"{variant}: engine cores' frames {frames}")
+    assert f"NEGATIVE CONTROL {variant}" in server.log_text()
     assert stall.value.outstanding, "a stall with nothing outstanding is not a hang"
-    assert health_while_hung == 200, "lesson A is silent: /health keeps answering"
+    assert health_while_hung == 200, "the hang is silent: /health keeps answering"
+    return hang
+
+
+def test_lesson_a_gather_inside_schedule_hangs_the_real_server_silently(server_runs):
+    hang = hang_on_wave_starts(server_runs, "lesson_a")
+    frames = hang.frames
     # Same attribution as the harness: one rank waits in the gather inside schedule(), the
-    # drained one in its dummy batch (whose MoE collective the gathering rank never joins).
+    # idle one in its dummy batch (whose MoE collective the gathering rank never joins).
     in_gather = [n for n, f in frames.items() if "schedule" in f and "balance_gather" in f]
     in_dummy = [n for n, f in frames.items() if "execute_dummy_batch" in f]
     assert in_gather and in_dummy, frames
-    assert server.leftovers() == [], server.stop_report
+    assert_gather_watchdog_reported(hang.server.log_text(), in_gather)
+    assert hang.server.leftovers() == [], hang.server.stop_report
 
 
 def test_lesson_b_gather_inside_process_engine_step_hangs_the_real_server(server_runs):
-    """Lesson B: a rank with nothing to run reaches the gather before its dummy forward.
-
-    The designated load is a wave start: one request to an idle server, so one rank steps its
-    model while the other, woken by START_DP_WAVE, has nothing to run. (The 48-request burst
-    does not hang this placement: measured, both ranks stay busy to the end, see docs/e2e.md.)
-    Waves are sent one at a time, each after the previous finished, up to ``LESSON_B_WAVES``.
-    """
-    server = control_server(server_runs, "lesson-b", "lesson_b")
-    waves = 0
-    with server:
-        with pytest.raises(Stall) as stall:
-            for prompt in make_prompts(LESSON_B_WAVES, seed=2):
-                waves += 1
-                send_concurrently(server.base_url, [prompt], stall_s=CONTROL_STALL_S)
-        health_while_hung = server.http_status("/health")
-        frames = engine_core_main_frames(server.dump_stacks())
-    print(f"lesson B: wave {waves}: {stall.value}; /health {health_while_hung}; frames {frames}")
-    assert "NEGATIVE CONTROL lesson_b" in server.log_text()
-    assert stall.value.outstanding and health_while_hung == 200
+    """Lesson B: a rank with nothing to run reaches the gather before its dummy forward."""
+    hang = hang_on_wave_starts(server_runs, "lesson_b")
+    frames = hang.frames
     in_gather = [
         n for n, f in frames.items() if "_process_engine_step" in f and "balance_gather" in f
     ]
@@ -89,14 +130,18 @@ def test_lesson_b_gather_inside_process_engine_step_hangs_the_real_server(server
     # worker sits in the MoE collective that the gathering rank's dummy forward never joins.
     in_forward = [n for n, f in frames.items() if "step" in f and "result" in f]
     assert in_gather and in_forward, frames
-    assert server.leftovers() == [], server.stop_report
+    assert_gather_watchdog_reported(hang.server.log_text(), in_gather)
+    assert hang.server.leftovers() == [], hang.server.stop_report
 
 
 def test_shipped_placement_serves_the_control_load(server_runs):
-    """The counterpart of lesson A: same prompts, same watchdog, the gather where it ships."""
+    """The counterpart of the controls: the wave starts (and the burst), the gather where it
+    ships (the shim row's record, also asserted in CI)."""
     run = server_runs.get("shim")
     assert run.stall is None
-    assert all(o.error is None and o.completion_tokens == o.prompt.max_tokens for o in run.outcomes)
+    served = run.outcomes + run.wave_outcomes
+    assert len(run.wave_outcomes) == WAVES
+    assert all(o.error is None and o.completion_tokens == o.prompt.max_tokens for o in served)
 
 
 def kill_engine_core_under_load(server_runs, mode_name: str) -> dict:

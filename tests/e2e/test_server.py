@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.runs import LOAD_REQUESTS, MODES, activation_lines, last_stats_per_rank
+from tests.e2e.runs import LOAD_REQUESTS, MODES, WAVES, activation_lines, last_stats_per_rank
 
 # The first test of a mode starts its server (bounded: start-up 600 s, load 600 s, stop 60 s).
 pytestmark = pytest.mark.timeout(1800)
@@ -38,6 +38,17 @@ def test_every_request_completes_with_the_requested_token_count(server_runs, mod
         if o.error or o.completion_tokens != o.prompt.max_tokens or o.finish_reason != "length"
     ]
     assert wrong == []
+
+
+@pytest.mark.parametrize("mode", ALL)
+def test_single_request_waves_complete(server_runs, mode):
+    """A request to an idle server starts a DP wave with one rank busy and one woken idle: the
+    load on which a misplaced gather (lessons A and B) hangs at once."""
+    outcomes = server_runs.get(mode).wave_outcomes
+    assert [(o.error, o.completion_tokens) for o in outcomes] == [
+        (None, o.prompt.max_tokens) for o in outcomes
+    ]
+    assert len(outcomes) == WAVES
 
 
 @pytest.mark.parametrize("mode", ON)
