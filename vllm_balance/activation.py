@@ -158,7 +158,8 @@ def activate_for(vllm_config: Any) -> bool:
         vllm_config.parallel_config.data_parallel_size,
         active_path(),
         scheduler_cls.__name__,
-        "BalanceDPEngineCoreProc",
+        # What run_engine_core will build (the swapped module-global), not a fixed name.
+        DP_ENGINE_CORE_SWAP.current().__name__,
     )
     return True
 

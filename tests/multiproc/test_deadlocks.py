@@ -12,7 +12,7 @@ import pytest
 
 from tests.multiproc.harness import Cluster, Hang, check_trace, main_thread_frames
 from tests.multiproc.traces import drain_early, fixed_traces, late_wave_start
-from tests.multiproc.watchdog_log import WatchdogLine, watchdog_lines
+from tests.multiproc.watchdog_log import WatchdogLine, assert_blocked_exactly, watchdog_lines
 from vllm_balance.config import GATHER_WARN_KEY
 
 pytestmark = pytest.mark.timeout(900)
@@ -102,19 +102,6 @@ def _hang_on(mode: str, trace) -> tuple[Hang, dict[int, list[WatchdogLine]]]:
     return caught.value, watchdog
 
 
-def _assert_watchdog_names_the_ranks_in_the_gather(
-    watchdog: dict[int, list[WatchdogLine]], in_gather: list[int]
-) -> None:
-    """Issue 24: every rank stuck in the gather logged the watchdog error, the others did not."""
-    for rank, lines in watchdog.items():
-        blocked = [line for line in lines if line.kind == "blocked"]
-        if rank in in_gather:
-            assert blocked and blocked[0].rank == rank, (rank, lines)
-            assert blocked[0].seconds >= CONTROL_GATHER_WARN_S, blocked
-        else:
-            assert blocked == [], (rank, lines)
-
-
 def test_lesson_a_gather_inside_schedule_deadlocks():
     """Lesson A: a drained rank never enters schedule(), so it misses the gather."""
     hang, watchdog = _hang_on("lesson_a", drain_early(2))
@@ -122,7 +109,7 @@ def test_lesson_a_gather_inside_schedule_deadlocks():
     in_gather = [r for r, f in frames.items() if "schedule" in f and "balance_gather" in f]
     in_dummy = [r for r, f in frames.items() if "execute_dummy_batch" in f]
     assert in_gather and in_dummy, frames
-    _assert_watchdog_names_the_ranks_in_the_gather(watchdog, in_gather)
+    assert_blocked_exactly(watchdog, in_gather, CONTROL_GATHER_WARN_S)
 
 
 def test_lesson_b_gather_inside_process_engine_step_deadlocks():
@@ -134,4 +121,4 @@ def test_lesson_b_gather_inside_process_engine_step_deadlocks():
     ]
     in_forward = [r for r, f in frames.items() if "execute_model" in f]
     assert in_gather and in_forward, frames
-    _assert_watchdog_names_the_ranks_in_the_gather(watchdog, in_gather)
+    assert_blocked_exactly(watchdog, in_gather, CONTROL_GATHER_WARN_S)

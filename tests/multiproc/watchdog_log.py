@@ -44,3 +44,20 @@ def watchdog_lines(log: str) -> list[WatchdogLine]:
                     )
                 )
     return lines
+
+
+def assert_blocked_exactly(
+    watchdog: dict[int, list[WatchdogLine]], in_gather: list[int], warn_s: float
+) -> None:
+    """Issue 24: every rank stuck in the gather logged the watchdog error, the others did not.
+
+    ``watchdog`` maps each rank to its watchdog lines, ``in_gather`` names the ranks whose stacks
+    show them waiting in ``balance_gather``; the first error comes after ``warn_s`` of waiting.
+    """
+    for rank, lines in watchdog.items():
+        blocked = [line for line in lines if line.kind == "blocked"]
+        if rank in in_gather:
+            assert blocked and blocked[0].rank == rank, (rank, lines)
+            assert blocked[0].seconds >= warn_s, blocked
+        else:
+            assert blocked == [], (rank, lines)

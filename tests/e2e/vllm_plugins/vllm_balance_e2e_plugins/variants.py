@@ -1,0 +1,81 @@
+"""Negative controls on the real server: the gather placements that deadlocked in production.
+
+Inactive unless ``VLLM_BALANCE_E2E_VARIANT`` names one (the e2e control tests set it, together
+with ``PYTHONPATH`` at the repository root, in the server's environment only). Then each engine
+core runs the shipped activation with the placement of the gather replaced by the harness's
+variant (``tests/multiproc/variants.py``, one definition for both test beds):
+
+- ``lesson_a``: the gather at the top of ``schedule()``, and an engine core that only injects
+  the DP group (no gather after ``_has_global_unfinished_reqs``);
+- ``lesson_b``: the gather at the end of ``_process_engine_step()``.
+
+Why through ``run_engine_core``: an engine-core process activates balance in the wrapper the
+front end hands it as its process target (``vllm_balance.activation``), before vLLM loads the
+general plugins in that process, so a plugin registering there is too late. Here the front end's
+plugin load swaps the target for ``variant_run_engine_core``, which installs the variant in the
+engine-core process and then runs the shipped wrapper. A warning in every engine core says a
+control is installed, so such a log is never mistaken for the shipped placement.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+VARIANT_ENV = "VLLM_BALANCE_E2E_VARIANT"
+VARIANTS = ("lesson_a", "lesson_b")
+logger = logging.getLogger("vllm.balance_e2e.variants")
+
+
+def requested_variant() -> str | None:
+    variant = os.environ.get(VARIANT_ENV) or None
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"{VARIANT_ENV}={variant!r}; known: {', '.join(VARIANTS)}")
+    return variant
+
+
+def install_variant(variant: str) -> None:
+    """In this process, make activation install ``variant``'s placement instead of the shipped."""
+    from tests.multiproc import variants
+    from vllm_balance import activation, registry
+
+    if variant == "lesson_a":
+        select_shipped = activation.select_scheduler_cls
+
+        def select_gather_in_schedule(vllm_config):
+            scheduler_cls = variants.gather_in_schedule_scheduler(select_shipped(vllm_config))
+            vllm_config.scheduler_config.scheduler_cls = scheduler_cls
+            return scheduler_cls
+
+        # activation.activate_for looks both names up at call time.
+        activation.select_scheduler_cls = select_gather_in_schedule
+        registry.DP_ENGINE_CORE_SWAP.replacement = lambda: variants.InjectDpGroupEngine
+    else:
+        registry.DP_ENGINE_CORE_SWAP.replacement = lambda: variants.GatherInEngineStepEngine
+    logger.warning("NEGATIVE CONTROL %s: the gather is NOT at the shipped place", variant)
+
+
+def variant_run_engine_core(*args, **kwargs):
+    """Engine-core process target: install the requested variant, then the shipped wrapper."""
+    from vllm_balance.activation import balance_run_engine_core
+
+    install_variant(requested_variant())
+    return balance_run_engine_core(*args, **kwargs)
+
+
+def register() -> None:
+    """In the front end: hand the engine cores ``variant_run_engine_core`` as their target."""
+    variant = requested_variant()
+    if variant is None:
+        return
+    from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
+
+    # Whichever plugin loads first, the variant's target ends up installed: the shipped plugin's
+    # later install() finds its (replaced) replacement already in place and does nothing.
+    RUN_ENGINE_CORE_WRAPPER.uninstall()
+    RUN_ENGINE_CORE_WRAPPER.replacement = lambda: _TARGET
+    RUN_ENGINE_CORE_WRAPPER.install()
+    logger.warning("engine cores will run the NEGATIVE CONTROL %s", variant)
+
+
+_TARGET = staticmethod(variant_run_engine_core)
