@@ -217,8 +217,10 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     group = dist.new_group(backend="gloo")  # like vLLM's stateless gloo dp_group
-    config = make_vllm_config(
-        data_parallel_size=world, additional_config={"enable_balance_scheduling": True}
+    config = make_vllm_config(  # a cap above every rank's 4 + rank requests: DP up to 252
+        data_parallel_size=world,
+        max_num_seqs=CAP,
+        additional_config={"enable_balance_scheduling": True},
     )
     scheduler = make_scheduler(vllm_balance.BalanceScheduler, config)
     add_requests(scheduler, make_requests(4 + rank, max_tokens=10_000))
