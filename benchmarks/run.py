@@ -11,8 +11,10 @@
     order so drift and other load on the machine hit them alike; ratios of medians. Also the
     gate's own per-step cost (``leader_at_cap()``), which is where balance-on time goes.
 (b) ``gather``: per-step cost of ``balance_gather()`` on a real gloo group (DP 2 and 4 processes on
-    loopback) vs one bare ``all_reduce`` and one bare ``all_gather`` of one int32 on the same group,
-    and vs ``unwatched_gather()``, the same gather without its watchdog lines (issue 24).
+    loopback by default, ``--gather-dp`` for others) vs one bare ``all_reduce`` and one bare
+    ``all_gather`` of one int32 on the same group, vs ``unwatched_gather()``, the same gather
+    without its watchdog lines (issue 24), and at power-of-two DP vs
+    ``recursive_doubling_max()``, a log-depth MAX prototype (issue 17, docs/scaling.md).
 (c) ``sim``: simulated lockstep steps per CPU second at DP 8/64/256, and the wall time of two
     policies run one after the other vs in parallel processes (``--jobs``).
 (d) ``instructions`` (not in the default set: ~15 min under valgrind): instructions executed by
@@ -204,6 +206,33 @@ def unwatched_gather(scheduler) -> None:
     scheduler.observe_gathered()
 
 
+def recursive_doubling_max(value: torch.Tensor, group, rank: int, world: int) -> torch.Tensor:
+    """MAX of one int over ``group`` in log2(world) rounds of pairwise exchange (issue 17).
+
+    A benchmark-only prototype of a log-depth ``balance_collective``, not product code: gloo's own
+    ``all_reduce`` of a tiny tensor is a ring of 2*(world-1) sequential hops and its
+    ``all_gather`` a ring of world-1 (docs/scaling.md), while round k here exchanges with
+    ``rank ^ 2**k`` only, so the depth is log2(world) hops. Power-of-two ``world`` only.
+    """
+    if world & (world - 1):
+        raise ValueError(f"recursive doubling needs a power-of-two group, got {world}")
+    best = value.clone()
+    received = torch.zeros_like(value)
+    mask = 1
+    while mask < world:
+        peer = rank ^ mask
+        outgoing = best.clone()  # the buffer must not change while the send is in flight
+        requests = [
+            dist.isend(outgoing, peer, group=group, tag=mask),
+            dist.irecv(received, peer, group=group, tag=mask),
+        ]
+        for request in requests:
+            request.wait()
+        torch.maximum(best, received, out=best)
+        mask <<= 1
+    return best
+
+
 def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import vllm_balance
@@ -214,8 +243,10 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     group = dist.new_group(backend="gloo")  # like vLLM's stateless gloo dp_group
-    config = make_vllm_config(
-        data_parallel_size=world, additional_config={"enable_balance_scheduling": True}
+    config = make_vllm_config(  # a cap above every rank's 4 + rank requests: DP up to 252
+        data_parallel_size=world,
+        max_num_seqs=CAP,
+        additional_config={"enable_balance_scheduling": True},
     )
     scheduler = make_scheduler(vllm_balance.BalanceScheduler, config)
     add_requests(scheduler, make_requests(4 + rank, max_tokens=10_000))
@@ -229,6 +260,10 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
         "all_reduce": lambda: dist.all_reduce(one, group=group),
         "all_gather": lambda: dist.all_gather(bare_out, one, group=group),
     }
+    if world & (world - 1) == 0:
+        mine = torch.tensor([4 + rank], dtype=torch.int32)
+        ops["rd_max"] = lambda: recursive_doubling_max(mine, group, rank, world)
+        assert int(ops["rd_max"]()) == 4 + world - 1  # the same answer as max(balance_queue)
     names = list(ops)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for i in range(iters + 20):
@@ -245,7 +280,8 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
                 samples[name].append(elapsed)
     assert [int(t.item()) for t in scheduler.balance_queue] == [4 + r for r in range(world)]
     if rank == 0:
-        results.put({name: statistics.median(v) for name, v in samples.items()})
+        # Median and quartiles: the spread within one run (repetitions give the spread between)
+        results.put({name: statistics.quantiles(v, n=4) for name, v in samples.items()})
     dist.barrier(group=group)
     dist.destroy_process_group()
 
@@ -266,12 +302,14 @@ def bench_gather(iters: int, dp_sizes: list[int]) -> list[dict]:
         ]
         for p in procs:
             p.start()
-        medians = results.get(timeout=600)
+        quartiles = results.get(timeout=1800)
         for p in procs:
             p.join(timeout=120)
+        medians = {name: q[1] for name, q in quartiles.items()}
         rows.append(
             {
                 "dp": world,
+                "load_average": round(os.getloadavg()[0], 1),
                 "balance_gather_us": round(medians["balance_gather"], 1),
                 "all_reduce_us": round(medians["all_reduce"], 1),
                 "all_gather_us": round(medians["all_gather"], 1),
@@ -281,6 +319,10 @@ def bench_gather(iters: int, dp_sizes: list[int]) -> list[dict]:
                 "watched_vs_unwatched": round(
                     medians["balance_gather"] / medians["unwatched_gather"], 3
                 ),
+                "rd_max_us": round(medians["rd_max"], 1) if "rd_max" in medians else None,
+                "quartiles_us": {
+                    name: [round(x, 1) for x in q] for name, q in sorted(quartiles.items())
+                },
             }
         )
         print(f"  gather DP={world} done", file=sys.stderr)
@@ -427,14 +469,15 @@ def markdown(results: dict) -> str:
     if "gather" in results:
         out += [
             "| DP | balance_gather µs | without watchdog µs | bare all_reduce µs "
-            "| bare all_gather µs | gather / without watchdog | gather / all_reduce "
-            "| gather / all_gather |",
-            "|---|---|---|---|---|---|---|---|",
+            "| bare all_gather µs | recursive-doubling MAX µs | gather / without watchdog "
+            "| gather / all_reduce | gather / all_gather | load average |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         out += [
             f"| {x['dp']} | {x['balance_gather_us']} | {x['unwatched_gather_us']} | "
-            f"{x['all_reduce_us']} | {x['all_gather_us']} | {x['watched_vs_unwatched']:.3f}x | "
-            f"{x['gather_vs_all_reduce']:.2f}x | {x['gather_vs_all_gather']:.2f}x |"
+            f"{x['all_reduce_us']} | {x['all_gather_us']} | {x['rd_max_us'] or '-'} | "
+            f"{x['watched_vs_unwatched']:.3f}x | {x['gather_vs_all_reduce']:.2f}x | "
+            f"{x['gather_vs_all_gather']:.2f}x | {x['load_average']} |"
             for x in results["gather"]
         ]
         out.append("")

@@ -238,20 +238,20 @@ def test_shared_fraction_moves_a_bursts_share_from_its_rank_to_all_ranks():
     )
 
 
-def _simultaneous_run(policy: str, gather_ms: float):
-    """A DP=2 cluster where every request arrives at t=0: decisions cannot depend on time."""
+def _simultaneous_run(policy: str, gather_ms: float, gather_hop_us: float = 0.0, dp: int = 2):
+    """A DP cluster where every request arrives at t=0: decisions cannot depend on time."""
     from vllm_balance.sim.engine import Cluster
     from vllm_balance.sim.policies import make_policy
     from vllm_balance.sim.router import make_router
     from vllm_balance.sim.runner import cluster_config
 
-    options = dataclasses.replace(TINY, dp_size=2, max_num_seqs=2)
-    arrivals = [Arrival(i, 0.0, 40, 5) for i in range(8)]
+    options = dataclasses.replace(TINY, dp_size=dp, max_num_seqs=2)
+    arrivals = [Arrival(i, 0.0, 40, 5) for i in range(4 * dp)]
     cluster = Cluster(
         cluster_config(options, arrivals),
         make_policy(policy),
-        make_router("least-loaded", 2, "stale+bump", 0.1),
-        StepTimeModel(gather_ms=gather_ms),
+        make_router("least-loaded", dp, "stale+bump", 0.1),
+        StepTimeModel(gather_ms=gather_ms, gather_hop_us=gather_hop_us),
         arrivals,
     )
     return cluster.run().log
@@ -264,6 +264,32 @@ def test_the_gather_costs_gather_ms_per_step_only_where_balance_gathers(policy, 
     extra = [p - f for p, f in zip(paid.time_s, free.time_s)]
     expected = [0.005 * (step + 1) if charged else 0.0 for step in range(len(extra))]
     assert extra == pytest.approx(expected)
+
+
+def test_gather_cost_is_the_fixed_part_plus_one_hop_per_ring_step():
+    """Issue 17: gloo's all_gather is a ring of DP-1 sequential hops (docs/scaling.md)."""
+    model = StepTimeModel(gather_ms=0.5, gather_hop_us=50)
+    assert [model.gather_cost_ms(dp) for dp in (2, 8, 256)] == pytest.approx([0.55, 0.85, 13.25])
+    assert StepTimeModel(gather_ms=0.5).gather_cost_ms(256) == 0.5  # unset: the constant
+
+
+@pytest.mark.parametrize("policy, charged", [("on", True), ("off", False)])
+def test_the_gather_costs_dp_minus_1_hops_per_step_only_where_balance_gathers(policy, charged):
+    free = _simultaneous_run(policy, 1.0, dp=4)
+    paid = _simultaneous_run(policy, 1.0, gather_hop_us=2000.0, dp=4)  # 3 hops: +6 ms a step
+    assert paid.running == free.running and len(free.time_s) > 5
+    extra = [p - f for p, f in zip(paid.time_s, free.time_s)]
+    expected = [0.006 * (step + 1) if charged else 0.0 for step in range(len(extra))]
+    assert extra == pytest.approx(expected)
+
+
+def test_sim_json_names_gather_hop_us_only_when_it_is_set(tiny_workload):
+    from vllm_balance.sim.runner import scenario_json
+
+    unset = scenario_json(TINY, tiny_workload, import_vllm=False)["step_model"]
+    hop = dataclasses.replace(TINY, step_model=StepTimeModel(gather_hop_us=30.0))
+    assert "gather_hop_us" not in unset  # every earlier sim.json stays byte-identical
+    assert scenario_json(hop, tiny_workload, import_vllm=False)["step_model"]["gather_hop_us"] == 30
 
 
 # A small DP MoE cluster with the default scenario's prompt lengths, at 1.4x the load its

@@ -217,8 +217,8 @@ def add_scenario_options(p: argparse.ArgumentParser) -> None:
     )
     add(
         "--step-model",
-        help="JSON/TOML file overriding step-time model keys, e.g. shared_fraction, gather_ms "
-        "(docs/sim.md)",
+        help="JSON/TOML file overriding step-time model keys, e.g. shared_fraction, gather_ms, "
+        "gather_hop_us (docs/sim.md, docs/scaling.md)",
     )
     add(
         "--jobs",

@@ -271,7 +271,8 @@ def envelope(args: argparse.Namespace, base: SimOptions, processes: int) -> int:
     title = (
         f"DP={base.dp_size}, max_num_seqs={base.max_num_seqs}, prompts {base.prompt_len}, "
         f"outputs {base.output_len}, {base.num_requests} requests, seeds "
-        f"{','.join(map(str, args.seeds))}, gather {base.step_model.gather_ms:g} ms"
+        f"{','.join(map(str, args.seeds))}, "
+        f"gather {base.step_model.gather_cost_ms(base.dp_size):g} ms"
     )
     figure = heatmap(points, policies, title)
     figure.savefig(out / "envelope.png", dpi=110, bbox_inches="tight")

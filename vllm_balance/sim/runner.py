@@ -161,6 +161,9 @@ def cluster_config(options: SimOptions, arrivals: Sequence[Arrival]):
 
 def scenario_json(options: SimOptions, workload: Workload, import_vllm: bool = True) -> dict:
     scenario = dataclasses.asdict(options)
+    if not options.step_model.gather_hop_us:
+        # Absent when unset: sim.json of every scenario before the key existed stays identical.
+        del scenario["step_model"]["gather_hop_us"]
     scenario["policies"] = list(options.policies)
     scenario["trace"] = Path(options.trace).name if options.trace else None
     scenario["target_concurrency"] = options.target_concurrency

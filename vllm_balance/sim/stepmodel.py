@@ -57,9 +57,15 @@ step's outputs are sent and before the next step starts. The simulator charges i
 of a policy that gathers (``on``, ``cap-1``, ``bounded-hold``, ``trtllm-adp``), so balance is
 never free. Default 0.64 ms: ``balance_gather()`` at DP=2 on gloo loopback, the mean of the two
 runs in docs/results.md "(b) Gather cost" (651 and 621 us), the only measured point not
-oversubscribed on the 2-core machine. A cluster's gather crosses the network and grows with DP;
-:meth:`StepTimeModel.gather_cost_ms` is the one place a scaling model ``gather_ms(DP, per-hop
-latency)`` goes. ``0`` charges nothing.
+oversubscribed on the 2-core machine. ``0`` charges nothing.
+
+A cluster's gather crosses the network and grows with DP (issue 17, docs/scaling.md). gloo's
+``all_gather`` is a ring: ``gloo::allgather`` (gloo/allgather.cc) passes each rank's value to
+its neighbour DP-1 times in sequence, so its latency is a fixed part plus DP-1 network hops.
+``gather_hop_us`` is that per-hop latency (µs; one small TCP message between two DP ranks' hosts)
+and :meth:`StepTimeModel.gather_cost_ms` charges ``gather_ms + (DP - 1) * gather_hop_us / 1000``:
+``gather_ms`` then stands for the fixed part. Default 0, the constant gather every earlier
+result used, to the last bit.
 """
 
 from __future__ import annotations
@@ -71,6 +77,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+def ring_allgather_hops(dp_size: int) -> int:
+    """Sequential network hops of gloo's ``allgather`` (a ring) over ``dp_size`` ranks."""
+    return dp_size - 1
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,7 @@ class StepTimeModel:
     per_kv_token_ms: float = 0.0
     shared_fraction: float = 0.0
     gather_ms: float = 0.64
+    gather_hop_us: float = 0.0
 
     def rank_time_ms(self, prefill_tokens: int, decode_requests: int, kv_tokens: int = 0) -> float:
         """One rank's own part of the step (its full time when ``shared_fraction`` is 0)."""
@@ -120,10 +132,11 @@ class StepTimeModel:
     def gather_cost_ms(self, dp_size: int) -> float:
         """The balance ``all_gather``'s own time per active step at ``dp_size`` ranks (ms).
 
-        A constant today (``gather_ms``, measured at DP=2); a scaling model of the gather in DP
-        and per-hop latency replaces this body, and every caller follows.
+        gloo's ring ``all_gather``: the fixed part plus ``dp_size - 1`` sequential hops.
         """
-        return self.gather_ms
+        if not self.gather_hop_us:
+            return self.gather_ms  # the constant model: no float arithmetic, bit for bit
+        return self.gather_ms + ring_allgather_hops(dp_size) * self.gather_hop_us / 1000.0
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
