@@ -264,7 +264,7 @@ REGISTRY: tuple[Route, ...] = (
         NOX_NAMES,
     ),
     Route(
-        r"python benchmarks/instructions\.py",
+        r"python benchmarks/instructions\.py( --gather-only --reps \d+)?",
         ON_DEMAND,
         "`nox -s bench -- --parts instructions` runs the same measurement",
         ARGPARSE,
