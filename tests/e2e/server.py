@@ -26,9 +26,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm.utils.network_utils import get_open_port
 from vllm_balance_e2e_plugins.stacks import STACK_DIR_ENV
 
-from tests.multiproc.harness import free_port, main_thread_frames
+from tests.multiproc.harness import main_thread_frames
 
 # Start-up measured at 110-130 s on the idle-ish 2-core machine and ~200 s with other jobs on it
 # (imports in each spawned process dominate); the bound leaves room for a loaded CI machine.
@@ -172,7 +173,7 @@ class VllmServer:
 
     def start(self) -> None:
         self.stack_dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.port = get_open_port()
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child holds it; closed below)
         try:
             self.process = subprocess.Popen(

@@ -11,8 +11,8 @@ import multiprocessing
 import traceback
 
 import pytest
+from vllm.utils.network_utils import get_open_port
 
-from tests.multiproc.harness import free_port
 
 SIZES = [3, 5]  # rows per rank: uneven on purpose
 WIDTH = 6
@@ -71,7 +71,7 @@ def _rank_main(rank: int, port: int, results) -> None:
 def two_rank_results():
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = free_port()
+    port = get_open_port()
     ranks = [context.Process(target=_rank_main, args=(r, port, results)) for r in range(2)]
     for process in ranks:
         process.start()
