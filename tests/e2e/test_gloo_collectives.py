@@ -13,7 +13,6 @@ import traceback
 import pytest
 from vllm.utils.network_utils import get_open_port
 
-
 SIZES = [3, 5]  # rows per rank: uneven on purpose
 WIDTH = 6
 JOIN_TIMEOUT_S = 120.0
