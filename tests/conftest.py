@@ -50,3 +50,15 @@ def pytest_configure(config) -> None:
 def _no_deprecated_env(monkeypatch):
     # The deprecated env var would leak into every config read; tests that need it set it.
     monkeypatch.delenv("VLLM_ASCEND_BALANCE_SCHEDULING", raising=False)
+
+
+@pytest.fixture
+def forked_probe(tmp_path, monkeypatch):
+    """Install the handshake probe for fork children (they inherit it); upstream's afterwards."""
+    from engine_probe import install_probe
+    from vllm.v1.engine.core import EngineCoreProc
+
+    monkeypatch.setattr(EngineCoreProc, "_perform_handshakes", EngineCoreProc._perform_handshakes)
+    report = str(tmp_path / "report.json")
+    install_probe(report)
+    return report

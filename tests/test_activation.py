@@ -159,15 +159,6 @@ def test_upstream_run_engine_core_resolves_dp_engine_core_by_name_at_call_time(
     assert result["engine_core"] == "ProbeDPEngineCoreProc"
 
 
-@pytest.fixture
-def forked_probe(tmp_path, monkeypatch):
-    """Install the handshake probe for fork children; restore upstream's afterwards."""
-    monkeypatch.setattr(EngineCoreProc, "_perform_handshakes", EngineCoreProc._perform_handshakes)
-    report = str(tmp_path / "report.json")
-    install_probe(report)
-    return report
-
-
 def test_fork_child_runs_balance_engine_core_and_scheduler(forked_probe):
     plugin.register()
     result = launch_engine_core("fork", dp_config(), forked_probe)

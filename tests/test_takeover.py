@@ -23,7 +23,7 @@ import pytest
 import vllm.plugins
 import vllm.v1.core.sched.scheduler as scheduler_module
 import vllm.v1.engine.core as core_module
-from engine_probe import HandshakeProbe, install_probe, launch_engine_core
+from engine_probe import HandshakeProbe, launch_engine_core
 from vllm.v1.engine.core import EngineCoreProc
 from vllm_ascend_standin import (
     ORDERS,
@@ -57,14 +57,6 @@ def ascend(request):
     with vllm_ascend_in_this_process(request.param):
         vllm.plugins.load_general_plugins()
         yield request.param
-
-
-@pytest.fixture
-def forked_probe(tmp_path, monkeypatch):
-    monkeypatch.setattr(EngineCoreProc, "_perform_handshakes", EngineCoreProc._perform_handshakes)
-    report = str(tmp_path / "report.json")
-    install_probe(report)  # fork children inherit it
-    return report
 
 
 def assert_vllm_names_restored_under_ours(names):

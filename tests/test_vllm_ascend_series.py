@@ -15,8 +15,7 @@ import re
 
 import pytest
 import vllm.plugins
-from engine_probe import install_probe, launch_engine_core
-from vllm.v1.engine.core import EngineCoreProc
+from engine_probe import launch_engine_core
 from vllm_ascend_standin import (
     ORDERS,
     delegating_root,
@@ -73,14 +72,6 @@ def delegating_ascend(request, tmp_path):
     with vllm_ascend_in_this_process(request.param, delegating_root(tmp_path)):
         vllm.plugins.load_general_plugins()
         yield request.param
-
-
-@pytest.fixture
-def forked_probe(tmp_path, monkeypatch):
-    monkeypatch.setattr(EngineCoreProc, "_perform_handshakes", EngineCoreProc._perform_handshakes)
-    report = str(tmp_path / "report.json")
-    install_probe(report)
-    return report
 
 
 def test_after_the_series_vllm_ascend_swaps_nothing_and_our_wrapper_is_called_once(
