@@ -129,6 +129,21 @@ REGISTRY: tuple[Route, ...] = (
         ARGPARSE + " (placeholder filled)",
     ),
     Route(
+        r"pip install --no-deps <checkout>",
+        BY_HAND,
+        "an operator installing from a checkout (the test sessions install the same project "
+        "folder editable: noxfile.py `install_pinned_vllm`)",
+        "-",
+    ),
+    Route(
+        r"pip wheel --no-deps -w dist <checkout> && pip install --no-deps "
+        r"dist/vllm_balance_scheduling-\*\.whl",
+        BY_HAND,
+        "an operator shipping a wheel; run once by hand on 2026-11-30 (7 s, the wheel holds "
+        "vllm_balance with shim, compat and sim)",
+        "-",
+    ),
+    Route(
         r"git rebase --signoff <start>",
         BY_HAND,
         "the sender of the vllm-ascend PR, after `apply.py` (which prints it)",
