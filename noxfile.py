@@ -11,6 +11,7 @@
                              # doc commands (tools/doc_commands.py --check)
     nox -s smoke / sim / bench / bench-seam / mutation / soak / vllm-own-tests / reach
     nox -s e2e-controls      # the real server's negative controls and faults (slow)
+    nox -s bench-serve       # the real server per policy, driven by `vllm bench serve` (slow)
 
 Every test session builds its own virtualenv from pins/*.txt and requirements/*.txt; nothing is
 installed by hand. Versions are read from the pin files at run time (tools/pins.py).
@@ -257,3 +258,12 @@ def e2e_controls(session: nox.Session) -> None:
     """The real server's negative controls (lessons A and B) and SIGKILL faults (slow)."""
     install_e2e(session)
     run_pytest(session, "slow", e2e_basetemp(session), "tests/e2e")
+
+
+@nox.session(name="bench-serve")
+def bench_serve(session: nox.Session) -> None:
+    """The real DP=2 server once per policy, driven by vLLM's own `bench serve` over a request
+    rate sweep, then the simulator on the same workload (benchmarks/serve.py; docs/results.md)."""
+    install_e2e(session)
+    session.install("--no-deps", "-r", "requirements/sim.txt")  # matplotlib for the PNG
+    session.run("python", "benchmarks/serve.py", *session.posargs)

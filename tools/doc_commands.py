@@ -110,7 +110,7 @@ REGISTRY: tuple[Route, ...] = (
         NOX_NAMES + "; some test name in tests/ contains the `-k` word",
     ),
     Route(
-        r"nox -s (soak|ascend|mutation|vllm-own-tests|reach|e2e-controls)",
+        r"nox -s (soak|ascend|mutation|vllm-own-tests|reach|e2e-controls|bench-serve)",
         ON_DEMAND,
         "that nox session",
         NOX_NAMES,

