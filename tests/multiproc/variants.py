@@ -67,9 +67,10 @@ def late_fold_in_reduce(running: int, group: Any) -> collective.Reduced:
     """
     rank, world = group.rank(), group.size()
     core = collective.fold_size(world)
-    if rank >= core:
-        return collective.reduce_running(running, group)  # the extra ranks' part is unchanged
     values = collective.initial(running)
+    if rank >= core:  # the extra ranks' part is unchanged
+        collective._send(group, values, rank - core, tag=0).wait()
+        return collective.result(collective._recv(group, rank - core, tag=0, like=values))
     collective.double(values, group, rank, core)
     if rank + core < world:
         collective.combine(values, collective._recv(group, rank + core, tag=0, like=values))
