@@ -81,9 +81,8 @@ class BalanceSchedulerMixin:
             # log-depth reduction writes one entry, the largest count.
             self._dp_size = parallel_config.data_parallel_size
             self._all_gather = options.collective == ALL_GATHER
-            self._gathered = torch.zeros(
-                self._dp_size if self._all_gather else 1, dtype=torch.int32
-            )
+            size = self._dp_size if self._all_gather else 1
+            self._gathered = torch.zeros(size, dtype=torch.int32)
             self.balance_queue = list(self._gathered.split(1))
             self._gathered_views = tuple(self.balance_queue)
             self.balance_stats = BalanceStats()
@@ -121,9 +120,8 @@ class BalanceSchedulerMixin:
                 dist.all_gather(self.balance_queue, running_count, group=self.dp_group)
             else:
                 reduced = collective.reduce_running(len(self.running), self.dp_group)
-                # The gate reads balance_queue: back to the buffer if a test or tool replaced it.
-                self.balance_queue = list(self._gathered_views)
-                self._gathered[0] = reduced.maximum
+                # Into the buffer, which the gate reads again if a test or tool replaced it.
+                self.balance_queue = [self._gathered_views[0].fill_(reduced.maximum)]
         finally:
             watchdog.started = None
         self.observe_gathered(reduced)
