@@ -13,8 +13,10 @@
 (b) ``gather``: per-step cost of ``balance_gather()`` on a real gloo group (DP 2 and 4 processes on
     loopback by default, ``--gather-dp`` for others) vs one bare ``all_reduce`` and one bare
     ``all_gather`` of one int32 on the same group, vs ``unwatched_gather()``, the same gather
-    without its watchdog lines (issue 24), and at power-of-two DP vs
-    ``recursive_doubling_max()``, a log-depth MAX prototype (issue 17, docs/scaling.md).
+    without its watchdog lines (issue 24), and vs the opt-in log-depth collective
+    (``balance_collective: "recursive_doubling"``, issue 17, docs/scaling.md): the same
+    ``balance_gather()`` of a scheduler configured with it, and the bare reduction
+    ``vllm_balance.shim.collective.reduce_running``, at any DP.
 (c) ``sim``: simulated lockstep steps per CPU second at DP 8/64/256, and the wall time of two
     policies run one after the other vs in parallel processes (``--jobs``).
 (d) ``instructions`` (not in the default set: ~15 min under valgrind): instructions executed by
@@ -206,52 +208,35 @@ def unwatched_gather(scheduler) -> None:
     scheduler.observe_gathered()
 
 
-def recursive_doubling_max(value: torch.Tensor, group, rank: int, world: int) -> torch.Tensor:
-    """MAX of one int over ``group`` in log2(world) rounds of pairwise exchange (issue 17).
-
-    A benchmark-only prototype of a log-depth ``balance_collective``, not product code: gloo's own
-    ``all_reduce`` of a tiny tensor is a ring of 2*(world-1) sequential hops and its
-    ``all_gather`` a ring of world-1 (docs/scaling.md), while round k here exchanges with
-    ``rank ^ 2**k`` only, so the depth is log2(world) hops. Power-of-two ``world`` only.
-    """
-    if world & (world - 1):
-        raise ValueError(f"recursive doubling needs a power-of-two group, got {world}")
-    best = value.clone()
-    received = torch.zeros_like(value)
-    mask = 1
-    while mask < world:
-        peer = rank ^ mask
-        outgoing = best.clone()  # the buffer must not change while the send is in flight
-        requests = [
-            dist.isend(outgoing, peer, group=group, tag=mask),
-            dist.irecv(received, peer, group=group, tag=mask),
-        ]
-        for request in requests:
-            request.wait()
-        torch.maximum(best, received, out=best)
-        mask <<= 1
-    return best
-
-
 def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import vllm_balance
     from vllm_balance.factories import add_requests, make_requests, make_scheduler, make_vllm_config
     from vllm_balance.factories import step as engine_step
+    from vllm_balance.shim import collective
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     group = dist.new_group(backend="gloo")  # like vLLM's stateless gloo dp_group
-    config = make_vllm_config(  # a cap above every rank's 4 + rank requests: DP up to 252
-        data_parallel_size=world,
-        max_num_seqs=CAP,
-        additional_config={"enable_balance_scheduling": True},
-    )
-    scheduler = make_scheduler(vllm_balance.BalanceScheduler, config)
-    add_requests(scheduler, make_requests(4 + rank, max_tokens=10_000))
-    engine_step(scheduler)
-    scheduler.dp_group = group
+
+    def gathering_scheduler(collective_name: str):
+        config = make_vllm_config(  # a cap above every rank's 4 + rank requests: DP up to 252
+            data_parallel_size=world,
+            max_num_seqs=CAP,
+            additional_config={
+                "enable_balance_scheduling": True,
+                "balance_collective": collective_name,
+            },
+        )
+        scheduler = make_scheduler(vllm_balance.BalanceScheduler, config)
+        add_requests(scheduler, make_requests(4 + rank, max_tokens=10_000))
+        engine_step(scheduler)
+        scheduler.dp_group = group
+        return scheduler
+
+    scheduler = gathering_scheduler("all_gather")
+    reducing = gathering_scheduler("recursive_doubling")
     one = torch.ones(1, dtype=torch.int32)
     bare_out = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
     ops = {
@@ -260,10 +245,10 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
         "all_reduce": lambda: dist.all_reduce(one, group=group),
         "all_gather": lambda: dist.all_gather(bare_out, one, group=group),
     }
-    if world & (world - 1) == 0:
-        mine = torch.tensor([4 + rank], dtype=torch.int32)
-        ops["rd_max"] = lambda: recursive_doubling_max(mine, group, rank, world)
-        assert int(ops["rd_max"]()) == 4 + world - 1  # the same answer as max(balance_queue)
+    ops["balance_reduce"] = lambda: reducing.balance_gather()
+    ops["reduce_running"] = lambda: collective.reduce_running(4 + rank, group)
+    # The same answer as the all_gather's max(balance_queue), min and sum.
+    assert ops["reduce_running"]() == (4 + world - 1, 4, sum(4 + r for r in range(world)))
     names = list(ops)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for i in range(iters + 20):
@@ -279,6 +264,7 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
             if i >= 20:  # warm-up excluded
                 samples[name].append(elapsed)
     assert [int(t.item()) for t in scheduler.balance_queue] == [4 + r for r in range(world)]
+    assert [int(t.item()) for t in reducing.balance_queue] == [4 + world - 1]
     if rank == 0:
         # Median and quartiles: the spread within one run (repetitions give the spread between)
         results.put({name: statistics.quantiles(v, n=4) for name, v in samples.items()})
@@ -319,7 +305,9 @@ def bench_gather(iters: int, dp_sizes: list[int]) -> list[dict]:
                 "watched_vs_unwatched": round(
                     medians["balance_gather"] / medians["unwatched_gather"], 3
                 ),
-                "rd_max_us": round(medians["rd_max"], 1) if "rd_max" in medians else None,
+                "balance_reduce_us": round(medians["balance_reduce"], 1),
+                "reduce_running_us": round(medians["reduce_running"], 1),
+                "reduce_vs_gather": round(medians["balance_reduce"] / medians["balance_gather"], 3),
                 "quartiles_us": {
                     name: [round(x, 1) for x in q] for name, q in sorted(quartiles.items())
                 },
@@ -468,14 +456,18 @@ def markdown(results: dict) -> str:
         out += ["", f"Gate decision `leader_at_cap()` alone (median): {gate}.", ""]
     if "gather" in results:
         out += [
-            "| DP | balance_gather µs | without watchdog µs | bare all_reduce µs "
-            "| bare all_gather µs | recursive-doubling MAX µs | gather / without watchdog "
+            "| DP | balance_gather µs, all_gather | balance_gather µs, recursive_doubling "
+            "| recursive_doubling / all_gather | bare reduce_running µs "
+            "| without watchdog µs | bare all_reduce µs "
+            "| bare all_gather µs | gather / without watchdog "
             "| gather / all_reduce | gather / all_gather | load average |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         out += [
-            f"| {x['dp']} | {x['balance_gather_us']} | {x['unwatched_gather_us']} | "
-            f"{x['all_reduce_us']} | {x['all_gather_us']} | {x['rd_max_us'] or '-'} | "
+            f"| {x['dp']} | {x['balance_gather_us']} | {x['balance_reduce_us']} | "
+            f"{x['reduce_vs_gather']:.2f}x | {x['reduce_running_us']} | "
+            f"{x['unwatched_gather_us']} | "
+            f"{x['all_reduce_us']} | {x['all_gather_us']} | "
             f"{x['watched_vs_unwatched']:.3f}x | {x['gather_vs_all_reduce']:.2f}x | "
             f"{x['gather_vs_all_gather']:.2f}x | {x['load_average']} |"
             for x in results["gather"]

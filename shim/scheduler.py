@@ -7,6 +7,10 @@ The whole feature is two operations:
 - the gate: when the largest gathered count **equals** the cap (``balance_cap``), no rank admits
   WAITING requests this step.
 
+With the opt-in ``balance_collective: "recursive_doubling"`` the gather is a log-depth reduction
+(``vllm_balance.shim.collective``) at the same place, and ``balance_queue`` holds one entry, the
+largest count: all the gate reads, so the decision is the same.
+
 NOTE(contract 1): the comparison is ``==`` against the configured cap: "a leader at the cap
 freezes everyone". The cap is the limit at which upstream's own WAITING loop stops admitting:
 ``max_num_active_reqs`` where the installed vLLM has that separate admission limit (0.31+, set by
@@ -30,7 +34,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_balance.config import balance_enabled, balance_options
+from vllm_balance.config import ALL_GATHER, balance_enabled, balance_options
+from vllm_balance.shim import collective
 from vllm_balance.shim.stats import BalanceStats, PeriodicLog
 from vllm_balance.shim.watchdog import GatherWatchdog
 
@@ -72,8 +77,12 @@ class BalanceSchedulerMixin:
             parallel_config = vllm_config.parallel_config
             options = balance_options(vllm_config)
             # balance_queue holds [1]-shaped views of one int32 buffer: the gather writes every
-            # rank's count into the buffer, so the gate reads them all with one reduction.
-            self._gathered = torch.zeros(parallel_config.data_parallel_size, dtype=torch.int32)
+            # rank's count into the buffer, so the gate reads them all with one reduction. The
+            # log-depth reduction writes one entry, the largest count.
+            self._dp_size = parallel_config.data_parallel_size
+            self._all_gather = options.collective == ALL_GATHER
+            size = self._dp_size if self._all_gather else 1
+            self._gathered = torch.zeros(size, dtype=torch.int32)
             self.balance_queue = list(self._gathered.split(1))
             self._gathered_views = tuple(self.balance_queue)
             self.balance_stats = BalanceStats()
@@ -103,28 +112,40 @@ class BalanceSchedulerMixin:
         if not self._balance_enabled or self.dp_group is None:
             return
         watchdog = self._gather_watchdog or self._start_gather_watchdog()
-        running_count = torch.tensor([len(self.running)], dtype=torch.int32)
+        reduced = None
         watchdog.started = time.monotonic()
         try:
-            dist.all_gather(self.balance_queue, running_count, group=self.dp_group)
+            if self._all_gather:
+                running_count = torch.tensor([len(self.running)], dtype=torch.int32)
+                dist.all_gather(self.balance_queue, running_count, group=self.dp_group)
+            else:
+                reduced = collective.reduce_running(len(self.running), self.dp_group)
+                # Into the buffer, which the gate reads again if a test or tool replaced it.
+                self.balance_queue = [self._gathered_views[0].fill_(reduced.maximum)]
         finally:
             watchdog.started = None
-        self.observe_gathered()
+        self.observe_gathered(reduced)
 
     def _start_gather_watchdog(self) -> GatherWatchdog:
         watchdog = GatherWatchdog(
-            self._gather_warn_s, self._dp_rank, len(self._gathered_views), self.balance_stats
+            self._gather_warn_s, self._dp_rank, self._dp_size, self.balance_stats
         )
         self._gather_watchdog = watchdog.start()
         weakref.finalize(self, watchdog.close)  # the thread ends with its scheduler
         return watchdog
 
-    def observe_gathered(self) -> None:
-        """Account for a freshly gathered ``balance_queue`` (called by the gather and the sim)."""
-        counts = self.gathered_vector().tolist()
-        self.balance_stats.record_gather(counts)
+    def observe_gathered(self, reduced: collective.Reduced | None = None) -> None:
+        """Account for a freshly gathered ``balance_queue`` (called by the gather and the sim).
+
+        ``reduced``: the log-depth reduction's result, where no per-rank counts exist.
+        """
+        if reduced is None:
+            counts = self.gathered_vector().tolist()
+            self.balance_stats.record_gather(counts)
+        else:
+            self.balance_stats.record_reduced(*reduced, self._dp_size)
         if self._max_frozen_steps is not None:
-            at_cap = max(counts) == self.balance_cap
+            at_cap = self.leader_at_cap()
             self._frozen_streak = self._frozen_streak + 1 if at_cap else 0
             self._release_next_step = self._frozen_streak > self._max_frozen_steps
             if self._release_next_step:

@@ -29,7 +29,8 @@ class BalanceStats:
     gathered_min: int = 0
     gathered_mean: float = 0.0
     largest_gap: int = 0
-    # The last gathered vector itself, one count per DP rank (the gather watchdog names them).
+    # The last gathered vector itself, one count per DP rank (the gather watchdog names them);
+    # empty under balance_collective=recursive_doubling, which reduces instead of gathering.
     last_gathered: list[int] = field(default_factory=list)
     # Gathers the watchdog reported (waited longer than balance_gather_warn_s), and the longest
     # wait it saw (a gather still in flight counts with its wait so far).
@@ -47,6 +48,14 @@ class BalanceStats:
         self.gathered_max, self.gathered_min = max(counts), min(counts)
         self.gathered_mean = sum(counts) / len(counts)
         self.largest_gap = max(self.largest_gap, self.gathered_max - self.gathered_min)
+
+    def record_reduced(self, maximum: int, minimum: int, total: int, dp_size: int) -> None:
+        """``record_gather`` from the log-depth reduction's max, min and sum (no per-rank list)."""
+        self.gathers += 1
+        self.last_gathered = []
+        self.gathered_max, self.gathered_min = maximum, minimum
+        self.gathered_mean = total / dp_size
+        self.largest_gap = max(self.largest_gap, maximum - minimum)
 
     def record_step(self, frozen: bool, released: bool, num_waiting: int, dp_rank: int) -> None:
         self.steps += 1

@@ -110,13 +110,18 @@ class GatherWatchdog:
         return min(BLOCKED_POLL_S, blocked.next_report_s - waited)
 
     def _report_blocked(self, blocked: _BlockedGather, waited: float) -> None:
-        last = self.stats.last_gathered
-        last_seen = (
-            f" (gather #{blocked.number - 1}): "
-            + " ".join(f"DP{rank}={count}" for rank, count in enumerate(last))
-            if last
-            else ": none yet"
-        )
+        last, stats = self.stats.last_gathered, self.stats
+        if last:
+            last_seen = f" (gather #{blocked.number - 1}): " + " ".join(
+                f"DP{rank}={count}" for rank, count in enumerate(last)
+            )
+        elif stats.gathers:  # the log-depth reduction: no per-rank counts, only max and min
+            last_seen = (
+                f" (gather #{blocked.number - 1}): max {stats.gathered_max}, "
+                f"min {stats.gathered_min} (reduced, no per-rank counts)"
+            )
+        else:
+            last_seen = ": none yet"
         logger.error(
             "%s: DP%d has waited %.1f s in gather #%d of %d DP ranks; last gathered running "
             "counts%s; a rank that logs no '%s' line for gather #%d has not entered it: check "

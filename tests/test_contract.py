@@ -1,6 +1,7 @@
 """The behaviour contract (BRIEF.md), items 1-4, on the scheduler the installed vLLM gets.
 
-Runs unchanged on every path: compat (no seam) and shim (seam sessions).
+Runs unchanged on every path: compat (no seam) and shim (seam sessions), and with each
+``balance_collective`` (the default all_gather and the opt-in recursive doubling, issue 17).
 """
 
 from __future__ import annotations
@@ -14,9 +15,17 @@ from conftest import session_has_seam
 
 import vllm_balance
 from vllm_balance import factories
+from vllm_balance.shim import collective
 
 CAP = 4
 ENABLED = {"enable_balance_scheduling": True}
+
+
+@pytest.fixture(autouse=True, params=["all_gather", "recursive_doubling"])
+def balance_collective(request, monkeypatch) -> str:
+    """Every test here runs with each collective (tests/test_collective.py compares the two)."""
+    monkeypatch.setitem(ENABLED, "balance_collective", request.param)
+    return request.param
 
 
 def balance_scheduler(dp_size: int = 2, enabled: bool = True, **kwargs):
@@ -115,12 +124,12 @@ def test_contract1_gate_reads_what_balance_queue_holds_not_a_stale_buffer():
     an element replaced or appended by a test or tool must not be hidden behind it."""
     scheduler = balance_scheduler(dp_size=4)
     queue = scheduler.balance_queue
-    view = queue[1]
+    view = queue[0]  # the reduction's balance_queue has one entry
     view.fill_(CAP)  # in place, as the gather writes
     assert scheduler.leader_at_cap() is True
-    queue[1] = torch.tensor([CAP - 1], dtype=torch.int32)  # the buffer still holds CAP
+    queue[0] = torch.tensor([CAP - 1], dtype=torch.int32)  # the buffer still holds CAP
     assert scheduler.leader_at_cap() is False
-    queue[1] = view
+    queue[0] = view
     view.fill_(0)
     assert scheduler.leader_at_cap() is False
     queue.append(torch.tensor([CAP], dtype=torch.int32))
@@ -263,20 +272,34 @@ class AllGatherSpy:
         return self._real(tensor_list, tensor, group=group, async_op=async_op)
 
 
-def test_contract3_one_all_gather_of_len_running_on_the_injected_group(monkeypatch):
+def test_contract3_one_all_gather_of_len_running_on_the_injected_group(
+    monkeypatch, balance_collective
+):
     spy = AllGatherSpy(monkeypatch)
+    reductions = []
+    real_reduce = collective.reduce_running
+    monkeypatch.setattr(
+        collective,
+        "reduce_running",
+        lambda running, group: reductions.append((running, group)) or real_reduce(running, group),
+    )
     ranks = [with_waiting(balance_scheduler(), n=n) for n in (3, 1)]
     for scheduler in ranks:
         set_gathered(scheduler, [0, 0])
         factories.step(scheduler)  # 3 and 1 running
-    assert spy.calls == []  # schedule() never gathers (lesson A)
+    assert spy.calls == reductions == []  # schedule() never gathers (lesson A)
     groups = gloo_groups(2)
     for scheduler, group in zip(ranks, groups):
         scheduler.dp_group = group
     run_as_ranks(*(s.balance_gather for s in ranks))
-    assert sorted(spy.calls, key=lambda c: c[0]) == [(1, groups[1]), (3, groups[0])]
+    calls = sorted(spy.calls or reductions, key=lambda c: c[0])
+    assert calls == [(1, groups[1]), (3, groups[0])]
+    # The opt-in reduction instead of the all_gather, never both; balance_queue then holds the
+    # largest count, all the gate reads.
+    assert (spy.calls and reductions) == []
+    expected = [3, 1] if balance_collective == "all_gather" else [3]
     for scheduler in ranks:
-        assert [int(t.item()) for t in scheduler.balance_queue] == [3, 1]
+        assert [int(t.item()) for t in scheduler.balance_queue] == expected
         assert all(
             t.dtype == torch.int32 and t.device.type == "cpu" for t in scheduler.balance_queue
         )
@@ -284,6 +307,7 @@ def test_contract3_one_all_gather_of_len_running_on_the_injected_group(monkeypat
 
 def test_contract3_gather_is_a_noop_until_a_group_is_injected(monkeypatch):
     spy = AllGatherSpy(monkeypatch)
+    monkeypatch.setattr(collective, "reduce_running", None)  # a call would raise
     scheduler = balance_scheduler()
     scheduler.balance_gather()
     assert spy.calls == []

@@ -73,6 +73,21 @@ def test_blocked_gather_error_repeats_as_the_wait_doubles_at_most_every_max_repe
     assert watchdog.stats.blocked_gathers == 1  # one gather, however many lines
 
 
+def test_blocked_reduction_names_the_last_max_and_min_it_has_no_per_rank_counts(caplog):
+    stats = BalanceStats()
+    stats.record_reduced(maximum=4, minimum=1, total=9, dp_size=3)  # recursive_doubling
+    watchdog = GatherWatchdog(WARN_S, dp_rank=2, dp_size=3, stats=stats)
+    watchdog.started = 0.0
+    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+        watchdog.check(WARN_S)
+    [message] = messages(caplog)
+    assert message.startswith(
+        f"{BLOCKED}: DP2 has waited 1.0 s in gather #2 of 3 DP ranks; last gathered running "
+        "counts (gather #1): max 4, min 1 (reduced, no per-rank counts); a rank that logs no"
+    )
+    assert [line.rank for line in lines(caplog)] == [2]  # the alerting pattern still matches
+
+
 def test_return_of_a_reported_gather_is_logged_once_with_its_wait(caplog):
     watchdog = watchdog_after_one_gather()
     watchdog.started = 10.0
@@ -138,8 +153,12 @@ def gathering_scheduler(dp_rank: int = 0, dp_size: int = 2, **additional):
     return factories.make_scheduler(vllm_balance.BalanceScheduler, config)
 
 
-def test_peer_late_to_the_gather_is_reported_by_the_rank_waiting_in_it(caplog):
-    ranks = [gathering_scheduler(r, balance_gather_warn_s=0.3) for r in (0, 1)]
+@pytest.mark.parametrize("collective", ["all_gather", "recursive_doubling"])
+def test_peer_late_to_the_gather_is_reported_by_the_rank_waiting_in_it(caplog, collective):
+    ranks = [
+        gathering_scheduler(r, balance_gather_warn_s=0.3, balance_collective=collective)
+        for r in (0, 1)
+    ]
     for scheduler, group in zip(ranks, gloo_groups(2)):
         scheduler.dp_group = group
     with caplog.at_level(logging.WARNING, logger="vllm_balance"):

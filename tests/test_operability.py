@@ -42,6 +42,13 @@ def test_gather_watchdog_warns_after_five_seconds_by_default_zero_turns_it_off()
     assert options_of(nested).gather_warn_s == 0.5
 
 
+def test_collective_is_the_contracts_all_gather_unless_recursive_doubling_is_asked_for():
+    assert options_of({}).collective == "all_gather"
+    assert options_of({"balance_collective": "recursive_doubling"}).collective == (
+        "recursive_doubling"
+    )
+
+
 def test_log_line_is_turned_off_with_zero_and_nested_key_wins():
     assert options_of({"balance_log_interval_s": 0}).log_interval_s is None
     nested = {"balance_log_interval_s": 5, "scheduler_config": {"balance_log_interval_s": 2.5}}
@@ -54,6 +61,8 @@ NEED_BOUND = "must be an integer >= 1 (or unset for no bound)"
 @pytest.mark.parametrize(
     "key, value, message",
     [
+        ("balance_collective", "ring", "must be one of all_gather, recursive_doubling"),
+        ("balance_collective", True, "must be one of all_gather, recursive_doubling"),
         ("balance_log_interval_s", "10", "must be a number of seconds >= 0"),
         ("balance_log_interval_s", -1, "must be a number of seconds >= 0"),
         ("balance_log_interval_s", float("nan"), "must be a number of seconds >= 0"),

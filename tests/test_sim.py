@@ -273,6 +273,28 @@ def test_gather_cost_is_the_fixed_part_plus_one_hop_per_ring_step():
     assert StepTimeModel(gather_ms=0.5).gather_cost_ms(256) == 0.5  # unset: the constant
 
 
+def test_recursive_doubling_gather_costs_its_log_depth_hops():
+    """balance_collective=recursive_doubling: log2 of the power-of-two core, +2 to fold extras in
+    (not ceil(log2 DP): DP=3 is 3 hops, one more than the ring's 2)."""
+    from vllm_balance.sim.stepmodel import recursive_doubling_hops
+
+    dps = (2, 3, 4, 5, 6, 8, 9, 32, 64, 100, 128, 256)
+    assert [recursive_doubling_hops(dp) for dp in dps] == [1, 3, 2, 4, 4, 3, 5, 5, 6, 8, 7, 8]
+    model = StepTimeModel(gather_ms=0.5, gather_hop_us=50, gather_collective="recursive_doubling")
+    assert [model.gather_cost_ms(dp) for dp in (2, 8, 256)] == pytest.approx([0.55, 0.65, 0.9])
+
+
+def test_step_model_file_names_the_gather_collective(tmp_path):
+    from vllm_balance.sim.stepmodel import StepModelError, load_step_model
+
+    path = tmp_path / "model.json"
+    path.write_text('{"gather_hop_us": 50, "gather_collective": "recursive_doubling"}')
+    assert load_step_model(path).gather_cost_ms(64) == pytest.approx(0.64 + 6 * 0.05)
+    path.write_text('{"gather_collective": "ring"}')
+    with pytest.raises(StepModelError, match="must be one of all_gather, recursive_doubling"):
+        load_step_model(path)
+
+
 @pytest.mark.parametrize("policy, charged", [("on", True), ("off", False)])
 def test_the_gather_costs_dp_minus_1_hops_per_step_only_where_balance_gathers(policy, charged):
     free = _simultaneous_run(policy, 1.0, dp=4)
@@ -289,6 +311,7 @@ def test_sim_json_names_gather_hop_us_only_when_it_is_set(tiny_workload):
     unset = scenario_json(TINY, tiny_workload, import_vllm=False)["step_model"]
     hop = dataclasses.replace(TINY, step_model=StepTimeModel(gather_hop_us=30.0))
     assert "gather_hop_us" not in unset  # every earlier sim.json stays byte-identical
+    assert "gather_collective" not in unset
     assert scenario_json(hop, tiny_workload, import_vllm=False)["step_model"]["gather_hop_us"] == 30
 
 

@@ -111,6 +111,11 @@ LOG_INTERVAL_KEY = "balance_log_interval_s"
 MAX_FROZEN_STEPS_KEY = "balance_max_frozen_steps"
 TAKE_OVER_KEY = "balance_take_over_vllm_ascend"
 GATHER_WARN_KEY = "balance_gather_warn_s"
+COLLECTIVE_KEY = "balance_collective"
+# The contract's all_gather (default), or the opt-in log-depth reduction (shim/collective.py).
+ALL_GATHER = "all_gather"
+RECURSIVE_DOUBLING = "recursive_doubling"
+COLLECTIVES = (ALL_GATHER, RECURSIVE_DOUBLING)
 DEFAULT_LOG_INTERVAL_S = 10.0
 DEFAULT_GATHER_WARN_S = 5.0
 
@@ -130,6 +135,9 @@ class BalanceOptions:
     # Seconds one gather may wait before the gather watchdog logs an error; None turns the
     # watchdog off (key set to 0).
     gather_warn_s: float | None = DEFAULT_GATHER_WARN_S
+    # The per-step collective: the contract's all_gather of every rank's count, or the opt-in
+    # log2-depth reduction of max/min/sum (docs/scaling.md; the gate decision is the same).
+    collective: str = ALL_GATHER
 
 
 def _seconds_or_off(vllm_config: Any, key: str, default: float, zero_means: str) -> float | None:
@@ -161,9 +169,15 @@ def balance_options(vllm_config: Any) -> BalanceOptions:
         raise ValueError(f"{where} must be an integer >= 1 (or unset for no bound), got {bound!r}")
     where, take_over = _additional_value(vllm_config, TAKE_OVER_KEY)
     take_over = False if take_over is _UNSET else _checked_bool(where, take_over)
+    where, collective = _additional_value(vllm_config, COLLECTIVE_KEY)
+    if collective is _UNSET:
+        collective = ALL_GATHER
+    elif collective not in COLLECTIVES:
+        raise ValueError(f"{where} must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
     return BalanceOptions(
         log_interval_s=interval,
         max_frozen_steps=bound,
         take_over_vllm_ascend=take_over,
         gather_warn_s=gather_warn,
+        collective=collective,
     )

@@ -1,8 +1,10 @@
-"""Negative controls: the two gather placements that deadlocked in production.
+"""Negative controls: the two gather placements that deadlocked in production, and a wrong
+log-depth reduction.
 
 They exist only in the test suite, to prove the harness can see the deadlocks the shipped hook
-(``vllm_balance.shim.engine_core.BalanceDPEngineCoreProc``) avoids. Each is the smallest change
-from the shipped design that reproduces one lesson; both keep the real balance scheduler.
+(``vllm_balance.shim.engine_core.BalanceDPEngineCoreProc``) avoids, and a reduction whose gate
+differs from the all_gather's. Each is the smallest change from the shipped design that
+reproduces one bug; all keep the real balance scheduler.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.v1.engine.core import DPEngineCoreProc
+
+from vllm_balance.shim import collective
 
 
 class InjectDpGroupEngine(DPEngineCoreProc):
@@ -52,3 +56,23 @@ class GatherInEngineStepEngine(DPEngineCoreProc):
         self.scheduler.dp_group = self.dp_group  # type: ignore[attr-defined]
         self.scheduler.balance_gather()  # type: ignore[attr-defined]
         return executed
+
+
+def late_fold_in_reduce(running: int, group: Any) -> collective.Reduced:
+    """``collective.reduce_running`` with the extra ranks folded in after the doubling.
+
+    Wrong on purpose (DP not a power of two): an extra rank's count reaches only its partner,
+    which hands the result back, so the other ranks decide the gate without it. Every send still
+    has its receive: it returns, with a different answer on some ranks.
+    """
+    rank, world = group.rank(), group.size()
+    core = collective.fold_size(world)
+    values = collective.initial(running)
+    if rank >= core:  # the extra ranks' part is unchanged
+        collective._send(group, values, rank - core, tag=0).wait()
+        return collective.result(collective._recv(group, rank - core, tag=0, like=values))
+    collective.double(values, group, rank, core)
+    if rank + core < world:
+        collective.combine(values, collective._recv(group, rank + core, tag=0, like=values))
+        collective._send(group, values, rank + core, tag=0).wait()
+    return collective.result(values)

@@ -164,6 +164,8 @@ def scenario_json(options: SimOptions, workload: Workload, import_vllm: bool = T
     if not options.step_model.gather_hop_us:
         # Absent when unset: sim.json of every scenario before the key existed stays identical.
         del scenario["step_model"]["gather_hop_us"]
+    if options.step_model.gather_collective == "all_gather":
+        del scenario["step_model"]["gather_collective"]  # likewise
     scenario["policies"] = list(options.policies)
     scenario["trace"] = Path(options.trace).name if options.trace else None
     scenario["target_concurrency"] = options.target_concurrency

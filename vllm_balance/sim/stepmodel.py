@@ -66,6 +66,11 @@ its neighbour DP-1 times in sequence, so its latency is a fixed part plus DP-1 n
 and :meth:`StepTimeModel.gather_cost_ms` charges ``gather_ms + (DP - 1) * gather_hop_us / 1000``:
 ``gather_ms`` then stands for the fixed part. Default 0, the constant gather every earlier
 result used, to the last bit.
+
+``gather_collective`` (default ``"all_gather"``) is the engine's ``balance_collective``: with
+``"recursive_doubling"`` the hops are the log-depth reduction's (``vllm_balance.shim.collective``):
+log2 of the largest power of two <= DP, plus 2 where DP is not a power of two (the extra ranks
+fold in and get the result back), e.g. 3 at DP=8, 8 at DP=256, 3 at DP=3 (the ring: 2).
 """
 
 from __future__ import annotations
@@ -82,6 +87,15 @@ from typing import Any
 def ring_allgather_hops(dp_size: int) -> int:
     """Sequential network hops of gloo's ``allgather`` (a ring) over ``dp_size`` ranks."""
     return dp_size - 1
+
+
+def recursive_doubling_hops(dp_size: int) -> int:
+    """Sequential hops of ``balance_collective: "recursive_doubling"`` over ``dp_size`` ranks."""
+    core = 1 << (dp_size.bit_length() - 1)
+    return core.bit_length() - 1 + (2 if dp_size > core else 0)
+
+
+GATHER_HOPS = {"all_gather": ring_allgather_hops, "recursive_doubling": recursive_doubling_hops}
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,7 @@ class StepTimeModel:
     shared_fraction: float = 0.0
     gather_ms: float = 0.64
     gather_hop_us: float = 0.0
+    gather_collective: str = "all_gather"
 
     def rank_time_ms(self, prefill_tokens: int, decode_requests: int, kv_tokens: int = 0) -> float:
         """One rank's own part of the step (its full time when ``shared_fraction`` is 0)."""
@@ -132,13 +147,15 @@ class StepTimeModel:
     def gather_cost_ms(self, dp_size: int) -> float:
         """The balance ``all_gather``'s own time per active step at ``dp_size`` ranks (ms).
 
-        gloo's ring ``all_gather``: the fixed part plus ``dp_size - 1`` sequential hops.
+        gloo's ring ``all_gather``: the fixed part plus ``dp_size - 1`` sequential hops; the
+        log-depth reduction (``gather_collective``): ``recursive_doubling_hops(dp_size)``.
         """
         if not self.gather_hop_us:
             return self.gather_ms  # the constant model: no float arithmetic, bit for bit
-        return self.gather_ms + ring_allgather_hops(dp_size) * self.gather_hop_us / 1000.0
+        hops = GATHER_HOPS[self.gather_collective](dp_size)
+        return self.gather_ms + hops * self.gather_hop_us / 1000.0
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, float | str]:
         return dataclasses.asdict(self)
 
 
@@ -174,10 +191,17 @@ def load_step_model(path: str | Path) -> StepTimeModel:
     path = Path(path)
     data = _parse_file(path)
     known = {field.name for field in dataclasses.fields(StepTimeModel)}
-    values: dict[str, float] = {}
+    values: dict[str, Any] = {}
     for key, value in data.items():
         if key not in known:
             raise StepModelError(f"{path}: unknown key {key!r}; known keys: {sorted(known)}")
+        if key == "gather_collective":
+            if not isinstance(value, str) or value not in GATHER_HOPS:
+                raise StepModelError(
+                    f"{path}: key {key!r} must be one of {', '.join(GATHER_HOPS)}, got {value!r}"
+                )
+            values[key] = value
+            continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not number or not math.isfinite(value) or value < 0:
             raise StepModelError(f"{path}: key {key!r} must be a number >= 0, got {value!r}")
