@@ -31,6 +31,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_balance.config import balance_enabled, balance_options
+from vllm_balance.shim.metrics import balance_metrics
 from vllm_balance.shim.stats import BalanceStats, PeriodicLog
 from vllm_balance.shim.watchdog import GatherWatchdog
 
@@ -80,7 +81,9 @@ class BalanceSchedulerMixin:
             self._dp_rank = parallel_config.data_parallel_rank
             # Feature detection, not a version: the admission limit the WAITING loop stops at.
             self.balance_cap: int = getattr(self, "max_num_active_reqs", self.max_num_running_reqs)
-            self._periodic_log = PeriodicLog(options.log_interval_s)
+            self._periodic_log = PeriodicLog(
+                options.log_interval_s, balance_metrics(vllm_config, self._dp_rank)
+            )
             self._max_frozen_steps = options.max_frozen_steps
             self._frozen_streak = 0
             self._release_next_step = False
@@ -104,16 +107,21 @@ class BalanceSchedulerMixin:
             return
         watchdog = self._gather_watchdog or self._start_gather_watchdog()
         running_count = torch.tensor([len(self.running)], dtype=torch.int32)
-        watchdog.started = time.monotonic()
+        watchdog.started = started = time.monotonic()
         try:
             dist.all_gather(self.balance_queue, running_count, group=self.dp_group)
         finally:
             watchdog.started = None
+        self.balance_stats.gather_seconds += time.monotonic() - started
         self.observe_gathered()
 
     def _start_gather_watchdog(self) -> GatherWatchdog:
         watchdog = GatherWatchdog(
-            self._gather_warn_s, self._dp_rank, len(self._gathered_views), self.balance_stats
+            self._gather_warn_s,
+            self._dp_rank,
+            len(self._gathered_views),
+            self.balance_stats,
+            self._periodic_log.metrics,
         )
         self._gather_watchdog = watchdog.start()
         weakref.finalize(self, watchdog.close)  # the thread ends with its scheduler
