@@ -9,9 +9,11 @@ the engine-core process beyond what vLLM already ships. The other route, a stat-
 (``vllm.stat_logger_plugins``) fed by ``SchedulerStats``, would need a field ``SchedulerStats``
 does not have, i.e. more bytes shipped per step.
 
-vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` itself only for ``--api-server-count`` > 1; otherwise
-the operator sets it before starting the server (docs/operations.md, "Metrics"). Without it
-nothing is exported and the activation log says why (``export_status``); the periodic log line stays either way.
+vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` itself only for ``--api-server-count`` > 1, and after
+importing prometheus_client (an engine core forked from there keeps the in-memory store); the
+operator sets it before starting the server (docs/operations.md, "Metrics on /metrics").
+Otherwise nothing is exported and the activation log says why (``export_status``); the periodic
+log line stays either way.
 
 Cost: ``publish()`` runs with the periodic log line (every ``balance_log_interval_s``), not per
 step, and writes the deltas of ``BalanceStats``' cumulative counters, so after each publish the
