@@ -36,6 +36,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_balance.config import ALL_GATHER, balance_enabled, balance_options
 from vllm_balance.shim import collective
+from vllm_balance.shim.metrics import balance_metrics
 from vllm_balance.shim.stats import BalanceStats, PeriodicLog
 from vllm_balance.shim.watchdog import GatherWatchdog
 
@@ -89,7 +90,9 @@ class BalanceSchedulerMixin:
             self._dp_rank = parallel_config.data_parallel_rank
             # Feature detection, not a version: the admission limit the WAITING loop stops at.
             self.balance_cap: int = getattr(self, "max_num_active_reqs", self.max_num_running_reqs)
-            self._periodic_log = PeriodicLog(options.log_interval_s)
+            self._periodic_log = PeriodicLog(
+                options.log_interval_s, balance_metrics(vllm_config, self._dp_rank)
+            )
             self._max_frozen_steps = options.max_frozen_steps
             self._frozen_streak = 0
             self._release_next_step = False
@@ -113,7 +116,7 @@ class BalanceSchedulerMixin:
             return
         watchdog = self._gather_watchdog or self._start_gather_watchdog()
         reduced = None
-        watchdog.started = time.monotonic()
+        watchdog.started = started = time.monotonic()
         try:
             if self._all_gather:
                 running_count = torch.tensor([len(self.running)], dtype=torch.int32)
@@ -124,11 +127,16 @@ class BalanceSchedulerMixin:
                 self.balance_queue = [self._gathered_views[0].fill_(reduced.maximum)]
         finally:
             watchdog.started = None
+        self.balance_stats.gather_seconds += time.monotonic() - started
         self.observe_gathered(reduced)
 
     def _start_gather_watchdog(self) -> GatherWatchdog:
         watchdog = GatherWatchdog(
-            self._gather_warn_s, self._dp_rank, self._dp_size, self.balance_stats
+            self._gather_warn_s,
+            self._dp_rank,
+            self._dp_size,
+            self.balance_stats,
+            self._periodic_log.metrics,
         )
         self._gather_watchdog = watchdog.start()
         weakref.finalize(self, watchdog.close)  # the thread ends with its scheduler

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from vllm_balance.config import DEFAULT_LOG_INTERVAL_S
 from vllm_balance.log import logger
+
+if TYPE_CHECKING:
+    from vllm_balance.shim.metrics import BalanceMetrics
 
 
 @dataclass
@@ -24,6 +29,8 @@ class BalanceStats:
     # WAITING requests held back: the waiting-queue length on each frozen step, summed.
     deferred_admissions: int = 0
     gathers: int = 0
+    # Seconds spent in those gathers, waiting for the slowest rank included.
+    gather_seconds: float = 0.0
     # Last gathered vector's max / min / mean running, and the largest max - min ever gathered.
     gathered_max: int = 0
     gathered_min: int = 0
@@ -78,11 +85,17 @@ class BalanceStats:
 
 
 class PeriodicLog:
-    """Emits ``stats.log_line()`` at most every ``interval_s`` seconds; ``None`` turns it off."""
+    """Every ``interval_s`` seconds: logs ``stats.log_line()`` and publishes to ``metrics``.
 
-    def __init__(self, interval_s: float | None) -> None:
-        self.interval_s = interval_s
-        self._next = time.monotonic() + interval_s if interval_s else 0.0
+    ``interval_s=None`` turns the line off; exported metrics are then published every
+    ``DEFAULT_LOG_INTERVAL_S``. Publishing with the line keeps /metrics equal to it.
+    """
+
+    def __init__(self, interval_s: float | None, metrics: BalanceMetrics | None = None) -> None:
+        self.log = interval_s is not None
+        self.metrics = metrics
+        self.interval_s = interval_s or (DEFAULT_LOG_INTERVAL_S if metrics else None)
+        self._next = time.monotonic() + self.interval_s if self.interval_s else 0.0
 
     def maybe_log(self, stats: BalanceStats, dp_rank: int) -> None:
         if not self.interval_s:
@@ -90,4 +103,7 @@ class PeriodicLog:
         now = time.monotonic()
         if now >= self._next:
             self._next = now + self.interval_s
-            logger.info("%s", stats.log_line(dp_rank))
+            if self.log:
+                logger.info("%s", stats.log_line(dp_rank))
+            if self.metrics is not None:
+                self.metrics.publish(stats)

@@ -24,9 +24,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vllm_balance.log import logger
 from vllm_balance.shim.stats import BalanceStats
+
+if TYPE_CHECKING:
+    from vllm_balance.shim.metrics import BalanceMetrics
 
 BLOCKED = "balance gather blocked"
 UNBLOCKED = "balance gather unblocked"
@@ -52,13 +56,21 @@ class GatherWatchdog:
     """
 
     def __init__(
-        self, warn_s: float | None, dp_rank: int, dp_size: int, stats: BalanceStats
+        self,
+        warn_s: float | None,
+        dp_rank: int,
+        dp_size: int,
+        stats: BalanceStats,
+        metrics: BalanceMetrics | None = None,
     ) -> None:
         self.started: float | None = None
         self.warn_s = warn_s
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.stats = stats
+        # Counted here, not by the periodic publish: the blocked rank's scheduler is in the
+        # gather and publishes nothing until it returns.
+        self.metrics = metrics
         self._blocked: _BlockedGather | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(
@@ -103,6 +115,8 @@ class GatherWatchdog:
                 return self.warn_s - waited
             blocked = self._blocked = _BlockedGather(started, completed + 1, waited)
             self.stats.blocked_gathers += 1
+            if self.metrics is not None:
+                self.metrics.count_blocked_gather()
         self.stats.longest_gather_wait_s = max(self.stats.longest_gather_wait_s, waited)
         if waited >= blocked.next_report_s:
             self._report_blocked(blocked, waited)

