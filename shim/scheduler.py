@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import operator
 import time
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,23 +81,24 @@ class BalanceSchedulerMixin:
             # log-depth reduction writes one entry, the largest count.
             self._dp_size = parallel_config.data_parallel_size
             self._all_gather = options.collective == ALL_GATHER
-            size = self._dp_size if self._all_gather else 1
-            self._gathered = torch.zeros(size, dtype=torch.int32)
+            self._gathered = torch.zeros(
+                self._dp_size if self._all_gather else 1, dtype=torch.int32
+            )
             self.balance_queue = list(self._gathered.split(1))
             self._gathered_views = tuple(self.balance_queue)
             self.balance_stats = BalanceStats()
             self._dp_rank = parallel_config.data_parallel_rank
             # Feature detection, not a version: the admission limit the WAITING loop stops at.
             self.balance_cap: int = getattr(self, "max_num_active_reqs", self.max_num_running_reqs)
-            self._periodic_log = PeriodicLog(
-                options.log_interval_s, balance_metrics(vllm_config, self._dp_rank)
-            )
+            metrics = balance_metrics(vllm_config, self._dp_rank)
+            self._periodic_log = PeriodicLog(options.log_interval_s, metrics)
             self._max_frozen_steps = options.max_frozen_steps
             self._frozen_streak = 0
             self._release_next_step = False
-            self._gather_warn_s = options.gather_warn_s
-            # Started by the first gather: only a scheduler that gathers needs a watchdog thread.
-            self._gather_watchdog: GatherWatchdog | None = None
+            # Its thread starts with the first gather: only a scheduler that gathers needs one.
+            self._gather_watchdog = GatherWatchdog(
+                options.gather_warn_s, self._dp_rank, self._dp_size, self.balance_stats, metrics
+            )
 
     def balance_gather(self) -> None:
         """All-gather ``len(self.running)`` into ``balance_queue``; no-op when disabled/no group.
@@ -114,7 +114,8 @@ class BalanceSchedulerMixin:
         """
         if not self._balance_enabled or self.dp_group is None:
             return
-        watchdog = self._gather_watchdog or self._start_gather_watchdog()
+        watchdog = self._gather_watchdog
+        watchdog.start_for(self)
         reduced = None
         watchdog.started = started = time.monotonic()
         try:
@@ -129,18 +130,6 @@ class BalanceSchedulerMixin:
             watchdog.started = None
         self.balance_stats.gather_seconds += time.monotonic() - started
         self.observe_gathered(reduced)
-
-    def _start_gather_watchdog(self) -> GatherWatchdog:
-        watchdog = GatherWatchdog(
-            self._gather_warn_s,
-            self._dp_rank,
-            self._dp_size,
-            self.balance_stats,
-            self._periodic_log.metrics,
-        )
-        self._gather_watchdog = watchdog.start()
-        weakref.finalize(self, watchdog.close)  # the thread ends with its scheduler
-        return watchdog
 
     def observe_gathered(self, reduced: collective.Reduced | None = None) -> None:
         """Account for a freshly gathered ``balance_queue`` (called by the gather and the sim).

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,10 +78,15 @@ class GatherWatchdog:
             target=self._run, name=f"balance-gather-watchdog-DP{dp_rank}", daemon=True
         )
 
-    def start(self) -> GatherWatchdog:
-        if self.warn_s is not None:
-            self._thread.start()
-        return self
+    def start_for(self, owner: object) -> None:
+        """Start the thread on ``owner``'s (the scheduler's) first gather; it ends with ``owner``.
+
+        Called before every gather: only the first call of an active watchdog starts anything.
+        """
+        if self.warn_s is None or self._thread.ident is not None:
+            return
+        self._thread.start()
+        weakref.finalize(owner, self.close)
 
     def close(self) -> None:
         """Stop the thread (at its next wake-up, which this triggers)."""

@@ -184,7 +184,7 @@ def test_peer_late_to_the_gather_is_reported_by_the_rank_waiting_in_it(caplog, c
 
 def test_watchdog_is_one_thread_per_scheduler_started_by_its_first_gather():
     scheduler = gathering_scheduler(dp_size=1)
-    assert scheduler._gather_watchdog is None  # a scheduler that never gathers has no thread
+    assert not scheduler._gather_watchdog.running  # a scheduler that never gathers has no thread
     [scheduler.dp_group] = gloo_groups(1)
     before = threading.active_count()
     for _ in range(20):
