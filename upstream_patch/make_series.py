@@ -414,7 +414,7 @@ def check_series(version: str, source: str) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
+    """The command line, apart from main() so tests can parse arguments without running."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("versions", nargs="+")
     parser.add_argument("--check", action="store_true", help="compare, write nothing")

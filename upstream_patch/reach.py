@@ -438,7 +438,7 @@ def render(evidence: dict, seam_table: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
+    """The command line, apart from main() so tests can parse arguments without running."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--versions", nargs="*", help="default: the index, from the release tag")
     parser.add_argument(

@@ -404,7 +404,7 @@ def balance_sides(tree: Path, pytest_args: list[str]) -> tuple[dict, list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
+    """The command line, apart from main() so tests can parse arguments without running."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", type=Path, help="write the result as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the extracted tree and logs")
