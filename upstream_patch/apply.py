@@ -184,8 +184,7 @@ def build_branch(repo: Path, ref: str, branch: str | None, signoff: bool = False
     return f"{repo}: branch {branch} = {ref} + series {series.ref} ({count} commit(s))"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line, apart from main() so tests can parse arguments without running."""
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     modes = parser.add_subparsers(dest="mode", required=True)
     git_mode = modes.add_parser("git", help="build the fork branch on a vLLM git checkout")
@@ -201,11 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     installed.add_argument(
         "--root", type=Path, help="a directory holding vllm/ to patch instead (tests)"
     )
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     try:
         if args.mode == "git":
             message = build_branch(args.checkout.resolve(), args.ref, args.branch, args.signoff)

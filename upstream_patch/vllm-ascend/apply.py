@@ -34,17 +34,13 @@ from series import (  # noqa: E402
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tree", type=Path, help="a vllm-ascend git work tree")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="apply in a throw-away worktree")
     mode.add_argument("--export", action="store_true", help="write its commits as the series")
-    return parser
-
-
-def main() -> None:
-    args = build_parser().parse_args()
+    args = parser.parse_args()
     tree = args.tree.resolve()
     try:
         if args.export:
