@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -38,16 +37,20 @@ def doc_texts() -> list[str]:
     return [doc.read_text(encoding="utf-8") for doc in DOCS]
 
 
+def nox_listing(*args: str) -> list[str]:
+    """The sessions ``nox -l --json ARGS`` selects; nox itself fails on a name it lacks."""
+    listing = subprocess.run(
+        [sys.executable, "-m", "nox", "-l", "--json", *args],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert listing.returncode == 0, listing.stderr
+    return [entry["session"] for entry in json.loads(listing.stdout)]
+
+
 @cache
 def nox_sessions() -> frozenset[str]:
     """Every session noxfile.py defines (the ``-k`` selects all, not only the default set)."""
-    nox = shutil.which("nox")
-    assert nox, "nox is not on PATH (pip install -r requirements/ci.txt)"
-    listing = subprocess.run(
-        [nox, "-l", "--json", "-k", "not __no_such_session__"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return frozenset(entry["session"] for entry in json.loads(listing.stdout))
+    return frozenset(nox_listing("-k", "not __no_such_session__"))
 
 
 def missing_sessions(texts: list[str]) -> list[str]:
@@ -90,11 +93,8 @@ def test_nox_sessions_named_in_the_docs_exist():
 
 
 def test_default_sessions_exist():
-    """``nox`` alone (the README's test command, CI) runs these."""
-    noxfile = (ROOT / "noxfile.py").read_text(encoding="utf-8")
-    block = re.search(r"nox\.options\.sessions = \[(.*?)\]", noxfile, re.S)
-    assert block is not None
-    assert set(re.findall(r'"([\w-]+)"', block.group(1))) <= nox_sessions()
+    """``nox`` alone (the README's test command, CI) runs these: nox refuses a missing one."""
+    assert "lint" in nox_listing()
 
 
 def test_scripts_and_modules_named_in_the_docs_answer_help():
