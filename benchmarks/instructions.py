@@ -114,7 +114,7 @@ def _repeated(gather):
 
 def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
     import torch.distributed as dist
-    from steps import configs, prepared_scheduler, unwatched_gather
+    from steps import prepared_scheduler, scheduler_configs, unwatched_gather
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
     from vllm.utils.network_utils import get_open_port
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -137,7 +137,7 @@ def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
     for rep in range(reps + 1):
         sink = labels if rep else None
         for dp in dp_sizes:
-            upstream_cfg, balance_cfg = configs(dp)
+            upstream_cfg, balance_cfg = scheduler_configs(dp)
             for workload in WORKLOADS:
                 for variant in VARIANTS[:3]:
                     cls, cfg = (

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from steps import CAP, configs, emit, prepared_scheduler, unwatched_gather
+from steps import CAP, emit, prepared_scheduler, scheduler_configs, unwatched_gather
 
 ROOT = Path(__file__).resolve().parent.parent
 DP_SIZES = (8, 64, 256)
@@ -98,7 +98,7 @@ def bench_schedule(reps: int) -> dict:
     import vllm_balance
 
     balance_cls = vllm_balance.BalanceScheduler
-    configs = {dp: configs(dp) for dp in DP_SIZES}
+    configs = {dp: scheduler_configs(dp) for dp in DP_SIZES}
     groups = {
         (dp, workload): {
             "upstream": lambda c=configs[dp], w=workload: prepared_scheduler(

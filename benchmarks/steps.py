@@ -15,7 +15,7 @@ import torch.distributed as dist
 CAP = 256
 
 
-def configs(dp_size: int):
+def scheduler_configs(dp_size: int):
     from vllm_balance.factories import make_vllm_config
 
     common = dict(
