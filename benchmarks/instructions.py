@@ -114,7 +114,7 @@ def _repeated(gather):
 
 def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
     import torch.distributed as dist
-    from run import _configs, _prepared_scheduler, unwatched_gather
+    from steps import prepared_scheduler, scheduler_configs, unwatched_gather
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
     from vllm.utils.network_utils import get_open_port
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -137,7 +137,7 @@ def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
     for rep in range(reps + 1):
         sink = labels if rep else None
         for dp in dp_sizes:
-            upstream_cfg, balance_cfg = _configs(dp)
+            upstream_cfg, balance_cfg = scheduler_configs(dp)
             for workload in WORKLOADS:
                 for variant in VARIANTS[:3]:
                     cls, cfg = (
@@ -148,7 +148,7 @@ def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
                             balance_cfg,
                         )
                     )
-                    sched = _prepared_scheduler(cls, cfg, workload, variant == "on-frozen")
+                    sched = prepared_scheduler(cls, cfg, workload, variant == "on-frozen")
                     _measured(f"{dp}/{workload}/{variant}", sched.schedule, sink)
             gate = make_scheduler(vllm_balance.BalanceScheduler, balance_cfg)
             _measured(f"{dp}/gate/gate-only", gate.leader_at_cap, sink)
@@ -183,7 +183,7 @@ def measure(dp_sizes: list[int], reps: int) -> dict:
         out_file = Path(tmp) / "callgrind.out"
         labels_file = Path(tmp) / "labels.json"
         env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
-        # The child imports run.py's prepared steps from this folder.
+        # The child imports the prepared steps (steps.py) from this folder.
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])
         )
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(dp_sizes, args.reps, args.child)
         return 0
-    from run import emit
+    from steps import emit
 
     result = measure(dp_sizes, args.reps)
     emit(result, markdown(result), args.json)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
 import statistics
@@ -50,10 +49,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from steps import CAP, emit, prepared_scheduler, scheduler_configs, unwatched_gather
 
 ROOT = Path(__file__).resolve().parent.parent
 DP_SIZES = (8, 64, 256)
-CAP = 256
 
 
 def interleaved_timings(
@@ -78,46 +77,6 @@ def interleaved_timings(
 
 
 # -- (a) schedule() ----------------------------------------------------------------------------
-def _configs(dp_size: int):
-    from vllm_balance.factories import make_vllm_config
-
-    common = dict(
-        max_num_seqs=CAP,
-        max_num_batched_tokens=CAP * 32,
-        num_gpu_blocks=8192,
-        data_parallel_size=dp_size,
-    )
-    return (
-        make_vllm_config(**common),
-        make_vllm_config(additional_config={"enable_balance_scheduling": True}, **common),
-    )
-
-
-def _prepared_scheduler(cls, vllm_config, workload: str, frozen: bool):
-    """A scheduler one ``schedule()`` away from the measured step."""
-    from vllm_balance.factories import (
-        add_requests,
-        make_requests,
-        make_scheduler,
-        run_to_completion,
-        step,
-    )
-
-    scheduler = make_scheduler(cls, vllm_config)
-    # Warm-up: one request through a full life cycle, so first-call costs (lazy state in the
-    # KV cache manager, code paths never run) are not charged to the measured step.
-    add_requests(scheduler, make_requests(1, prompt_len=32, max_tokens=2, prefix="warm"))
-    run_to_completion(scheduler)
-    if workload == "admission":
-        add_requests(scheduler, make_requests(1024, prompt_len=32, max_tokens=64))
-    else:
-        add_requests(scheduler, make_requests(CAP, prompt_len=32, max_tokens=64))
-        step(scheduler)  # admit and prefill all 256; the measured step decodes them
-    if frozen:
-        scheduler.balance_queue[-1].fill_(CAP)  # another rank is at the cap
-    return scheduler
-
-
 def _time_schedule(scheduler) -> tuple[int, int]:
     gc.collect()
     gc.disable()
@@ -139,16 +98,16 @@ def bench_schedule(reps: int) -> dict:
     import vllm_balance
 
     balance_cls = vllm_balance.BalanceScheduler
-    configs = {dp: _configs(dp) for dp in DP_SIZES}
+    configs = {dp: scheduler_configs(dp) for dp in DP_SIZES}
     groups = {
         (dp, workload): {
-            "upstream": lambda c=configs[dp], w=workload: _prepared_scheduler(
+            "upstream": lambda c=configs[dp], w=workload: prepared_scheduler(
                 Scheduler, c[0], w, False
             ),
-            "on-open": lambda c=configs[dp], w=workload: _prepared_scheduler(
+            "on-open": lambda c=configs[dp], w=workload: prepared_scheduler(
                 balance_cls, c[1], w, False
             ),
-            "on-frozen": lambda c=configs[dp], w=workload: _prepared_scheduler(
+            "on-frozen": lambda c=configs[dp], w=workload: prepared_scheduler(
                 balance_cls, c[1], w, True
             ),
         }
@@ -195,17 +154,6 @@ def bench_gate(balance_cls, configs) -> dict:
 
 
 # -- (b) gather --------------------------------------------------------------------------------
-def unwatched_gather(scheduler) -> None:
-    """``balance_gather()`` without its two watchdog lines: the baseline of the watchdog's cost.
-
-    The watchdog thread (started by the scheduler's first ``balance_gather()``) is running while
-    this is measured, as it is in serving; what differs is only the timestamp the gather writes.
-    """
-    if not scheduler._balance_enabled or scheduler.dp_group is None:
-        return
-    running_count = torch.tensor([len(scheduler.running)], dtype=torch.int32)
-    dist.all_gather(scheduler.balance_queue, running_count, group=scheduler.dp_group)
-    scheduler.observe_gathered()
 
 
 def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> None:
@@ -568,16 +516,6 @@ def main(argv: list[str] | None = None) -> int:
     results["command"] = "python benchmarks/run.py " + " ".join(argv or sys.argv[1:])
     emit(results, markdown(results), args.json)
     return 0
-
-
-def emit(results: dict, report: str, json_path: str | None) -> None:
-    """Print the report; with ``--json`` also write every number, with the vLLM version."""
-    import vllm
-
-    results["vllm_version"] = vllm.__version__
-    print(report)
-    if json_path:
-        Path(json_path).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The vllm-ascend series (upstream_patch/vllm-ascend/): its form, and vllm-ascend after it.
 
-The series cannot be applied here (vllm-ascend's source is not in this repository; regenerate and
-apply it with the commands in upstream_patch/vllm-ascend/README.md). What runs here: the files
+The series cannot be applied here (vllm-ascend's source is not in this repository; apply and
+export it with the commands in upstream_patch/vllm-ascend/README.md). What runs here: the files
 carry no invented identity, the patched ``patch_balance_schedule.py`` is small and swaps nothing,
 and that very module, put into the vllm-ascend stand-in, lets engine cores started like vLLM's
 launcher run this package's classes with nothing but the key.
@@ -65,6 +65,43 @@ def test_series_rewrites_are_the_only_sections_without_old_lines():
     assert sorted(rewritten) == sorted(
         [series.BALANCE_MODULE, "tests/ut/patch/platform/test_patch_balance_schedule.py"]
     )
+
+
+def test_export_then_apply_gives_back_the_same_commits(tmp_path):
+    """``apply.py --export`` and ``apply.py`` are inverses, whole-file rewrites included: the
+    applied tree equals the exported one, and exporting it again gives the same bytes."""
+    source, target = tmp_path / "source", tmp_path / "target"
+    identity = ("-c", "user.name=t", "-c", "user.email=t@localhost")
+    source.mkdir()
+    series.git(source, "init", "-q")
+    (source / "kept.py").write_text("".join(f"line_{i} = {i}\n" for i in range(30)))
+    (source / "rewritten.py").write_text("".join(f"old_{i} = {i}  # before\n" for i in range(30)))
+    series.git(source, "add", "-A")
+    series.git(source, *identity, "commit", "-qm", "base")
+    base = series.git(source, "rev-parse", "HEAD").strip()
+    series.git(source, "clone", "-q", str(source), str(target))
+    (source / "kept.py").write_text((source / "kept.py").read_text().replace("_7 = 7", "_7 = 8"))
+    series.git(source, *identity, "commit", "-qam", "[Core] Change one line\n\nWhy.")
+    # Both sides large enough for git's rewrite detection (-B skips small files).
+    (source / "rewritten.py").write_text("".join(f"new_{i} = {-i}  # after\n" for i in range(30)))
+    series.git(source, *identity, "commit", "-qam", "[Core] Rewrite a file whole")
+
+    exported = series.export_series(source, base, tmp_path / "series")
+    assert [series.split_rewrites(p.read_text())[0] != [] for p in exported] == [False, True]
+    series.apply_series(target, identity, exported)
+    assert series.git(target, "rev-parse", "HEAD^{tree}") == series.git(
+        source, "rev-parse", "HEAD^{tree}"
+    )
+    again = series.export_series(target, base, tmp_path / "again")
+    assert [p.read_bytes() for p in again] == [p.read_bytes() for p in exported]
+
+    # Negative control: a rewrite whose pre-image blob differs is refused, nothing applied.
+    series.git(target, "reset", "-q", "--hard", base)
+    (target / "rewritten.py").write_text("changed = 0\n")
+    series.git(target, *identity, "commit", "-qam", "diverged")
+    with pytest.raises(series.ApplyError, match="rewritten.py is"):
+        series.apply_series(target, identity, exported)
+    assert series.git(target, "log", "-1", "--format=%s").strip() == "diverged"
 
 
 @pytest.fixture(params=ORDERS)

@@ -14,6 +14,7 @@ usage: support_matrix.py [--check]
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import sys
@@ -197,9 +198,11 @@ def without_date(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare, write nothing")
+    args = parser.parse_args(argv)
     current = render(datetime.date.today().isoformat())
-    if "--check" in argv:
+    if args.check:
         if not DOC.exists() or without_date(DOC.read_text()) != without_date(current):
             print(f"{DOC.relative_to(ROOT)} is stale: run python tools/support_matrix.py")
             return 1

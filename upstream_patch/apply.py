@@ -38,11 +38,12 @@ from seam_patch import (  # noqa: E402
     PatchError,
     Series,
     all_series,
-    apply_series,
     first_line,
+    git_apply,
     installed_version,
     installed_vllm_root,
     match_series,
+    numstat,
     series_for_ref,
 )
 
@@ -78,24 +79,19 @@ def apply_installed(root: Path | None, check: bool, revert: bool) -> str:
         state = "already applied" if not revert else "not applied"
         return f"{where}: series {series.ref} {state}; nothing to do"
     # The series' scheduler change is all of its non-test part; the test file is for vLLM's tree.
-    try:
-        new_texts = apply_series({SCHEDULER_PATH: source}, series, revert, include="vllm/*")
-    except PatchError as exc:
-        raise ApplyError(f"{where}: series {series.ref} does not apply: {exc}") from exc
+    # git apply checks every hunk of every file before it writes any: all or nothing.
+    options = ["--include=vllm/*", *(["-R"] if revert else []), *(["--check"] if check else [])]
+    result = git_apply(root, *options, *map(str, series.patches))
+    if result.returncode != 0:
+        raise ApplyError(
+            f"{where}: series {series.ref} does not apply: {first_line(result.stderr)}"
+        )
     verb = "reverts" if revert else "applies"
     if check:
         return f"{where}: series {series.ref} {verb} cleanly (--check: nothing written)"
-    # Every new text exists already; write each one atomically (rename over the original).
-    for rel, text in new_texts.items():
-        target = root / rel
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-        if target.exists():
-            os.chmod(tmp, target.stat().st_mode & 0o777)
-        os.replace(tmp, target)
     done = "reverted" if revert else "applied"
-    return f"{where}: series {series.ref} {done} ({', '.join(sorted(new_texts))})"
+    changed = sorted(path for path in numstat(series) if path.startswith("vllm/"))
+    return f"{where}: series {series.ref} {done} ({', '.join(changed)})"
 
 
 # ----------------------------------------------------------------------------------- git mode
@@ -188,8 +184,7 @@ def build_branch(repo: Path, ref: str, branch: str | None, signoff: bool = False
     return f"{repo}: branch {branch} = {ref} + series {series.ref} ({count} commit(s))"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     modes = parser.add_subparsers(dest="mode", required=True)
     git_mode = modes.add_parser("git", help="build the fork branch on a vLLM git checkout")
@@ -205,11 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     installed.add_argument(
         "--root", type=Path, help="a directory holding vllm/ to patch instead (tests)"
     )
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     try:
         if args.mode == "git":
             message = build_branch(args.checkout.resolve(), args.ref, args.branch, args.signoff)

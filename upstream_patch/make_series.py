@@ -413,17 +413,12 @@ def check_series(version: str, source: str) -> str | None:
     return None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("versions", nargs="+")
     parser.add_argument("--check", action="store_true", help="compare, write nothing")
     parser.add_argument("--wheel-dir", type=Path, default=Path("/tmp/wheels"))
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     args.wheel_dir.mkdir(parents=True, exist_ok=True)
     failed = False
     # Newest first: whether a release is stored depends on the newer series.

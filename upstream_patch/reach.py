@@ -437,8 +437,7 @@ def render(evidence: dict, seam_table: Path) -> None:
     support_matrix.main([])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--versions", nargs="*", help="default: the index, from the release tag")
     parser.add_argument(
@@ -456,11 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--keep", action="store_true", help="keep the unpacked wheels")
     parser.add_argument("--table", type=Path, default=ROOT / "docs" / "seam-reach.md")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     if args.render:
         render(load_evidence(), args.table)
         return 0

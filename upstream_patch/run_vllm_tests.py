@@ -12,10 +12,10 @@ Steps:
    ``/pypi/<name>/<version>/json`` API is not reachable here), checked against the index's
    sha256 and cached under ``~/.cache/vllm-balance/``. ``pip download`` cannot fetch it: it
    builds metadata first, and vLLM's metadata build fails without CUDA.
-2. ``tests/v1/core/test_scheduler.py`` and ``test_async_scheduler.py`` (``--balance``: the first
-   only) and the test modules they import (followed transitively, ``tests.*`` only) are
-   extracted, plus the series' own test file (``git apply --include`` of the series). vLLM's
-   ``tests/conftest.py`` is not: it imports model runners and hub clients. A small conftest
+2. vLLM's ``tests/`` is extracted, without its ``conftest.py`` files (they import model runners
+   and hub clients), plus the series' own test file (``git apply --include`` of the series);
+   pytest runs ``tests/v1/core/test_scheduler.py`` and ``test_async_scheduler.py``
+   (``--balance``: the first only). A small conftest
    replaces it: hub model names become a tiny local config (``facebook/opt-125m`` -> a tiny
    Llama; models that only the hub has, e.g. the multimodal llava, skip the test), every
    ``VllmConfig`` gets ``DeviceConfig("cpu")``, and the hub is offline.
@@ -40,7 +40,6 @@ every test upstream passes, with the same skips (contract 2 on vLLM's own tests)
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
 import json
 import os
@@ -228,63 +227,22 @@ def fetch_sdist(version: str) -> Path:
     return target
 
 
-def _imported_test_modules(path: str, source: str) -> set[str]:
-    """Repository paths of the ``tests.*`` modules (and relative imports) ``source`` imports."""
-    package = path.rsplit("/", 1)[0].replace("/", ".")
-    found = set()
-    for node in ast.walk(ast.parse(source)):
-        names: list[str] = []
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                names = [".".join(base + ([node.module] if node.module else []))]
-                if not node.module:
-                    names = [f"{names[0]}.{a.name}" for a in node.names]
-            elif node.module:
-                names = [node.module]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        for name in names:
-            if name == "tests" or name.startswith("tests."):
-                found.add(name)
-    return found
-
-
-def extract_tests(sdist: Path, version: str, into: Path, entries: tuple[str, ...]) -> list[str]:
-    """Extract the entry tests and their test-module closure; returns the paths extracted."""
+def extract_tests(sdist: Path, version: str, into: Path) -> int:
+    """vLLM's ``tests/`` from the sdist, without its ``conftest.py`` files (they import model
+    runners and hub clients; ours replaces them); returns how many files."""
     prefix = f"vllm-{version}/"
     with tarfile.open(sdist) as tar:
-        members = {m.name.removeprefix(prefix): m for m in tar.getmembers()}
-
-        def read(rel: str) -> str | None:
-            member = members.get(rel)
-            handle = tar.extractfile(member) if member else None
-            return handle.read().decode("utf-8") if handle else None
-
-        wanted, todo = set(), list(entries)
-        while todo:
-            rel = todo.pop()
-            if rel in wanted:
-                continue
-            source = read(rel)
-            if source is None:
-                continue
-            wanted.add(rel)
-            for module in _imported_test_modules(rel.removesuffix(".py"), source):
-                as_path = module.replace(".", "/")
-                todo += [f"{as_path}.py", f"{as_path}/__init__.py"]
-        # Every package on the way needs its __init__.py for the tests.* imports to resolve.
-        for rel in list(wanted):
-            parts = rel.split("/")[:-1]
-            for depth in range(1, len(parts) + 1):
-                init = "/".join(parts[:depth]) + "/__init__.py"
-                if init in members:
-                    wanted.add(init)
-        for rel in sorted(wanted):
-            out = into / rel
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(read(rel) or "", encoding="utf-8")
-    return sorted(wanted)
+        members = [
+            member
+            for member in tar.getmembers()
+            if member.isfile()
+            and member.name.startswith(f"{prefix}tests/")
+            and Path(member.name).name != "conftest.py"
+        ]
+        for member in members:
+            member.name = member.name.removeprefix(prefix)
+        tar.extractall(into, members=members, filter="data")
+    return len(members)
 
 
 def run_side(
@@ -403,8 +361,7 @@ def balance_sides(tree: Path, pytest_args: list[str]) -> tuple[dict, list[str]]:
     return sides, problems
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", type=Path, help="write the result as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the extracted tree and logs")
@@ -414,11 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--release", help="a vLLM release to run on instead of the installed one")
     parser.add_argument("--wheel-dir", type=Path, default=Path("/tmp/wheels"))
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
 
     if args.release:
         version = args.release
@@ -442,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     sdist = fetch_sdist(version)
     tree = Path(tempfile.mkdtemp(prefix=f"vllm-{version}-own-tests-"))
     entries = BALANCE_ENTRIES if args.balance else (*SEAM_ENTRIES, SEAM_TEST)
-    extracted = extract_tests(sdist, version, tree, entries)
+    extracted = extract_tests(sdist, version, tree)
     (tree / "conftest.py").write_text(CONFTEST, encoding="utf-8")
     if args.balance:
         sides, problems = balance_sides(tree, args.pytest_args)
@@ -454,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         "vllm": version,
         "series": match.series.ref,
         "installed_is_patched": match.already_seamed,
-        "extracted": extracted,
+        "extracted_files": extracted,
         # vLLM's own tests (all entry files together; the name is what reach.py reads).
         "test_scheduler": {n: summarize(s["outcomes"], False) for n, s in sides.items()},
         "seam_tests": {n: summarize(s["outcomes"], True) for n, s in sides.items()},

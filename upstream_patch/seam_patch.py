@@ -3,8 +3,9 @@
 ``apply.py``, ``make_series.py``, ``run_vllm_tests.py``, ``reach.py`` and the seam tests need the
 same few things: the series, which of them fits a given ``scheduler.py`` and whether it is applied
 already, and that file's text with the series applied or reverted. Applying is ``git apply``
-(``--check``, ``-R``, ``--include``) on a scratch copy: every context line must match (an offset is
-allowed, fuzz is not), and a series applies completely or not at all.
+(``--check``, ``-R``, ``--include``), on a scratch copy for a text and in place for an installed
+tree (``git_apply``): every context line must match (an offset is allowed, fuzz is not), and a
+series applies completely or not at all.
 
 A series is a directory named after the vLLM release it was made from (``v0.33.0/``) holding
 ``*.patch`` files: a commit message, then the diff. Only releases whose patch text differs from the

@@ -9,32 +9,29 @@ from __future__ import annotations
 
 import re
 import shlex
-import sys
 from pathlib import Path
 
 from tests.e2e.runs import BALANCE_ON, MODEL_DTYPE, ROOT
 from tests.e2e.server import ServerSpec
 from tests.e2e.tiny_moe import build_parser
 
-sys.path.insert(0, str(ROOT / "tools"))
-import doc_commands  # noqa: E402
-
 DOC_PORT = 8000
+ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
 
 
 def documented(pattern: str) -> str:
-    (command,) = [
-        c.text
-        for c in doc_commands.all_commands()
-        if c.doc == "docs/operations.md" and re.search(pattern, c.text)
-    ]
+    """The one line of a shell block in docs/operations.md that matches ``pattern``."""
+    text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```(?:bash|sh|shell)?\n(.*?)^```", text, re.M | re.S)
+    lines = "".join(blocks).replace("\\\n", " ").splitlines()
+    (command,) = [line for line in lines if re.search(pattern, line)]
     return command
 
 
 def server_command() -> tuple[dict[str, str], list[str]]:
     words = shlex.split(documented(r"vllm\.entrypoints\.openai\.api_server"))
     env = {}
-    while doc_commands.ENV_ASSIGNMENT.match(words[0]):
+    while ENV_ASSIGNMENT.match(words[0]):
         name, value = words.pop(0).split("=", 1)
         env[name] = value
     return env, words

@@ -120,7 +120,7 @@ def write_doc(path: str, section: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line, apart from main() so tests/test_doc_commands.py can parse the docs."""
+    """The command line, apart from main() so tests can parse arguments without running."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mutant", action="append", choices=sorted(MUTANTS), default=None)
     parser.add_argument("--profile", choices=("ci", "soak"), default="ci")

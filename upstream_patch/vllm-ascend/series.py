@@ -1,4 +1,4 @@
-"""The vllm-ascend series: where it lives, its base commit, its file format.
+"""The vllm-ascend series: where it lives, its base commit, its file format; export and apply.
 
 Each ``NNNN-<slug>.patch`` is a commit message, a ``---`` line, ``git diff --stat`` and
 ``git diff -B -D --full-index``. There is deliberately no mail header: no ``From:``, no date, no
@@ -8,13 +8,18 @@ identity) and signs it off (``git rebase --signoff``).
 ``-B -D`` writes a file that is rewritten almost entirely (``patch_balance_schedule.py`` and its
 test) as its new text only, with the old text's blob id in the ``index`` line instead of the old
 lines: the old text is vllm-ascend's (and its ``schedule()`` copy is vLLM's), which this repository
-does not carry. ``git apply`` does not take such sections; ``apply.py`` checks the file's blob id
-(a stricter check than context lines), writes the new text and gives the rest to ``git apply``.
+does not carry. ``git apply`` does not take such sections; ``apply_series`` checks the file's blob
+id (a stricter check than context lines), writes the new text and gives the rest to ``git apply``.
+
+The patch files are the series' only copy. To change it: apply it to a vllm-ascend checkout at
+``BASE_COMMIT`` (``apply.py``), amend or add commits there, and ``apply.py --export`` writes
+each commit since ``BASE_COMMIT`` back as a series file. Same commits, same bytes.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +29,18 @@ BASE_COMMIT = "182b75ea84ff13ece27b57391331ef8935410aea"
 SERIES_DIR = HERE / BASE_COMMIT[:8]
 BALANCE_MODULE = "vllm_ascend/patch/platform/patch_balance_schedule.py"
 SEPARATOR = "\n---\n"
+SLUG_LENGTH = 54  # of the subject, as in the names the series has always had
+
+
+class ApplyError(RuntimeError):
+    pass
+
+
+def git(tree: Path, *args: str, stdin: str | None = None) -> str:
+    run = subprocess.run(["git", *args], cwd=tree, input=stdin, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise ApplyError(f"git {' '.join(args)}: {run.stderr.strip() or run.stdout.strip()}")
+    return run.stdout
 
 
 def patches(directory: Path = SERIES_DIR) -> list[Path]:
@@ -82,3 +99,57 @@ def post_image(path: str, directory: Path = SERIES_DIR) -> str:
             if rewrite.path == path:
                 return rewrite.text
     raise ValueError(f"the series does not rewrite {path}")
+
+
+def export_series(tree: Path, base: str = BASE_COMMIT, out: Path = SERIES_DIR) -> list[Path]:
+    """Write each commit of ``tree`` from ``base`` to HEAD as ``NNNN-<subject>.patch`` in ``out``
+    (replacing the series there); returns the files written."""
+    commits = git(tree, "rev-list", "--reverse", f"{base}..HEAD").split()
+    out.mkdir(parents=True, exist_ok=True)
+    for old in patches(out):
+        old.unlink()
+    written = []
+    for number, commit in enumerate(commits, 1):
+        message = git(tree, "log", "-1", "--format=%B", commit)
+        stat = git(tree, "diff", "--stat=80", f"{commit}^", commit)
+        diff = git(tree, "diff", "-B", "-D", "--full-index", "--no-color", f"{commit}^", commit)
+        slug = git(tree, "log", "-1", "--format=%f", commit).strip()[:SLUG_LENGTH]
+        path = out / f"{number:04d}-{slug}.patch"
+        path.write_text(render(message, stat, diff))
+        written.append(path)
+    return written
+
+
+def apply_patch(tree: Path, patch: Path, identity: tuple[str, ...] = ()) -> None:
+    """One series file as one commit on ``tree``: rewrites after their blob id is checked."""
+    text = patch.read_text()
+    rewrites, rest = split_rewrites(text)
+    for rewrite in rewrites:
+        target = tree / rewrite.path
+        found = git(tree, "hash-object", rewrite.path).strip() if target.exists() else "absent"
+        if found != rewrite.old_blob:
+            raise ApplyError(f"{patch.name}: {rewrite.path} is {found}, not {rewrite.old_blob}")
+    if rest:
+        git(tree, "apply", "--index", "--whitespace=nowarn", stdin=rest)
+    for rewrite in rewrites:
+        (tree / rewrite.path).write_text(rewrite.text)
+        git(tree, "add", rewrite.path)
+        if git(tree, "hash-object", rewrite.path).strip() != rewrite.new_blob:
+            raise ApplyError(f"{patch.name}: {rewrite.path} written, but not the expected blob")
+    git(tree, *identity, "commit", "-q", "-F", "-", stdin=message_of(text))
+
+
+def apply_series(
+    tree: Path, identity: tuple[str, ...] = (), series: list[Path] | None = None
+) -> str:
+    """Apply every patch on ``tree``'s HEAD; returns the starting commit. All or nothing."""
+    if git(tree, "status", "--porcelain", "--untracked-files=no").strip():
+        raise ApplyError(f"{tree} has uncommitted changes; commit or stash them first")
+    start = git(tree, "rev-parse", "HEAD").strip()
+    try:
+        for patch in patches() if series is None else series:
+            apply_patch(tree, patch, identity)
+    except ApplyError:
+        git(tree, "reset", "-q", "--hard", start)
+        raise
+    return start

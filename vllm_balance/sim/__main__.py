@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "advise" and len(args.seeds) < 2:
         parser.error("advise --seeds: at least 2 seeds, to state a spread")
     # Files are checked here, not by argparse types, so that parsing stays a pure syntax check
-    # (docs/commands.md parses the documented command lines, whose files do not exist).
+    # (a parser that reads no file can be built and tried without the files existing).
     if args.trace and not Path(args.trace).is_file():
         parser.error(f"argument --trace: no such file: {args.trace!r}")
     try:

@@ -1,0 +1,78 @@
+"""What ``run.py`` and ``instructions.py`` share: the measured scheduler steps and the report.
+
+Both scripts run from ``benchmarks/`` (their own folder is on ``sys.path``) and import this
+module; neither imports the other's measuring code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+CAP = 256
+
+
+def scheduler_configs(dp_size: int):
+    from vllm_balance.factories import make_vllm_config
+
+    common = dict(
+        max_num_seqs=CAP,
+        max_num_batched_tokens=CAP * 32,
+        num_gpu_blocks=8192,
+        data_parallel_size=dp_size,
+    )
+    return (
+        make_vllm_config(**common),
+        make_vllm_config(additional_config={"enable_balance_scheduling": True}, **common),
+    )
+
+
+def prepared_scheduler(cls, vllm_config, workload: str, frozen: bool):
+    """A scheduler one ``schedule()`` away from the measured step."""
+    from vllm_balance.factories import (
+        add_requests,
+        make_requests,
+        make_scheduler,
+        run_to_completion,
+        step,
+    )
+
+    scheduler = make_scheduler(cls, vllm_config)
+    # Warm-up: one request through a full life cycle, so first-call costs (lazy state in the
+    # KV cache manager, code paths never run) are not charged to the measured step.
+    add_requests(scheduler, make_requests(1, prompt_len=32, max_tokens=2, prefix="warm"))
+    run_to_completion(scheduler)
+    if workload == "admission":
+        add_requests(scheduler, make_requests(1024, prompt_len=32, max_tokens=64))
+    else:
+        add_requests(scheduler, make_requests(CAP, prompt_len=32, max_tokens=64))
+        step(scheduler)  # admit and prefill all 256; the measured step decodes them
+    if frozen:
+        scheduler.balance_queue[-1].fill_(CAP)  # another rank is at the cap
+    return scheduler
+
+
+def unwatched_gather(scheduler) -> None:
+    """``balance_gather()`` without its two watchdog lines: the baseline of the watchdog's cost.
+
+    The watchdog thread (started by the scheduler's first ``balance_gather()``) is running while
+    this is measured, as it is in serving; what differs is only the timestamp the gather writes.
+    """
+    if not scheduler._balance_enabled or scheduler.dp_group is None:
+        return
+    running_count = torch.tensor([len(scheduler.running)], dtype=torch.int32)
+    dist.all_gather(scheduler.balance_queue, running_count, group=scheduler.dp_group)
+    scheduler.observe_gathered()
+
+
+def emit(results: dict, report: str, json_path: str | None) -> None:
+    """Print the report; with ``--json`` also write every number, with the vLLM version."""
+    import vllm
+
+    results["vllm_version"] = vllm.__version__
+    print(report)
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=1) + "\n")
