@@ -120,7 +120,7 @@ def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     import vllm_balance
-    from vllm_balance.factories import make_scheduler, make_vllm_config
+    from vllm_balance.sim.builders import make_scheduler, make_vllm_config
 
     gatherer = make_scheduler(
         vllm_balance.BalanceScheduler,

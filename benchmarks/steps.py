@@ -7,16 +7,20 @@ module; neither imports the other's measuring code.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+# The test support the benchmarks drive (tests/factories.py), for run.py and instructions.py alike.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
 CAP = 256
 
 
 def scheduler_configs(dp_size: int):
-    from vllm_balance.factories import make_vllm_config
+    from factories import make_vllm_config
 
     common = dict(
         max_num_seqs=CAP,
@@ -32,7 +36,7 @@ def scheduler_configs(dp_size: int):
 
 def prepared_scheduler(cls, vllm_config, workload: str, frozen: bool):
     """A scheduler one ``schedule()`` away from the measured step."""
-    from vllm_balance.factories import (
+    from factories import (
         add_requests,
         make_requests,
         make_scheduler,

@@ -48,12 +48,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import factories
 import torch
 from hypothesis import HealthCheck, example, given, note, settings
 from hypothesis import strategies as st
 
 import vllm_balance
-from vllm_balance import factories
 
 # Shared prompt prefixes, whole blocks so the prefix cache can hit them; index 0 is "none".
 PREFIXES: tuple[tuple[int, ...], ...] = (
@@ -305,7 +305,7 @@ def make_request(req: Req):
         sampling_params=params,
         pooling_params=None,
         arrival_time=float(req.index),
-        block_hasher=factories._block_hasher(),
+        block_hasher=factories.block_hasher(),
     )
     if structured is not None:
         request.structured_output_request.grammar = Future()

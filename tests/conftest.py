@@ -1,4 +1,4 @@
-"""Shared fixtures: real vLLM objects from the pinned wheel (see vllm_balance.factories)."""
+"""Shared fixtures: real vLLM objects from the pinned wheel (see tests/factories.py)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,123 @@
-"""The factories of real vLLM objects, as test support outside tests/ imports them.
+"""Test support: real vLLM objects, stepped and compared (as vLLM's tests/v1/core/utils.py).
 
-They still live in the product package (``vllm_balance/factories.py``) and are to move under
-``tests/`` (issue 15); scripts outside tests/ (upstream_patch/) import them through this one
-module, so that move changes this line only.
+The objects themselves (``VllmConfig``, ``Scheduler``, ``Request``, the fabricated
+``ModelRunnerOutput``) come from :mod:`vllm_balance.sim.builders`, which the simulator runs on;
+this module adds what only tests need: request batches, stepping a scheduler to completion and
+a comparable rendering of its outputs.
 """
 
-from vllm_balance.factories import (  # noqa: F401
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from vllm_balance.sim.builders import (  # noqa: F401  (re-exported: tests import them from here)
     BLOCK_SIZE,
     RequestSpec,
+    block_hasher,
+    make_kv_cache_config,
     make_request,
     make_scheduler,
     make_vllm_config,
     model_runner_output,
-    request_specs,
+    prompt_token_ids,
     tiny_model_dir,
 )
+
+
+def request_specs(
+    n: int,
+    prompt_len: int = 32,
+    max_tokens: int = 8,
+    prefix: str = "req",
+    shared_prefix: Sequence[int] = (),
+    start: int = 0,
+) -> list[RequestSpec]:
+    """``n`` request specs with distinct prompts (after an optional shared prefix)."""
+    specs = []
+    for i in range(start, start + n):
+        body = prompt_token_ids(i, prompt_len - len(shared_prefix))
+        specs.append(
+            RequestSpec(
+                request_id=f"{prefix}-{i}",
+                prompt_token_ids=tuple(shared_prefix) + tuple(body),
+                max_tokens=max_tokens,
+                arrival_time=float(i),
+            )
+        )
+    return specs
+
+
+def make_requests(n: int, **kwargs) -> list:
+    return [make_request(spec) for spec in request_specs(n, **kwargs)]
+
+
+def step(scheduler, token_id: int = 7):
+    """One engine step: schedule, fabricate the forward, feed it back. Returns both outputs."""
+    scheduler_output = scheduler.schedule()
+    runner_output = model_runner_output(scheduler_output, scheduler, token_id)
+    engine_outputs = scheduler.update_from_output(scheduler_output, runner_output)
+    return scheduler_output, engine_outputs
+
+
+def run_to_completion(scheduler, max_steps: int = 10_000) -> int:
+    """Step until the scheduler has no unfinished requests; returns the number of steps."""
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+        steps += 1
+        if steps > max_steps:
+            raise RuntimeError(f"scheduler did not drain in {max_steps} steps")
+    return steps
+
+
+def add_requests(scheduler, requests: Iterable) -> None:
+    for request in requests:
+        scheduler.add_request(request)
+
+
+def describe(value: Any) -> Any:
+    """A plain, comparable rendering of a vLLM output object (dataclasses, sets, tensors).
+
+    Two ``SchedulerOutput``s are "the same output" when their descriptions are equal: same
+    scheduled / preempted / resumed sets, ``num_scheduled_tokens``, block ids, finished ids and
+    connector metadata. Objects without structure (e.g. ``SamplingParams``) compare by ``repr``.
+    """
+    import dataclasses
+
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: describe(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if not f.name.startswith("_")
+        }
+    if isinstance(value, dict):
+        return {str(k): describe(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (set, frozenset)):
+        return sorted((describe(v) for v in value), key=repr)
+    if isinstance(value, (list, tuple)):
+        return [describe(v) for v in value]
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return repr(value)
+
+
+def first_difference(left: Any, right: Any, path: str = "") -> str | None:
+    """The first field where two descriptions differ, as ``path: left != right``; None if equal."""
+    if isinstance(left, dict) and isinstance(right, dict):
+        for key in sorted(set(left) | set(right)):
+            if key not in left or key not in right:
+                return f"{path}.{key}: present on one side only"
+            found = first_difference(left[key], right[key], f"{path}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(left, list) and isinstance(right, list) and len(left) == len(right):
+        for i, (a, b) in enumerate(zip(left, right)):
+            found = first_difference(a, b, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    return None if left == right else f"{path or '<root>'}: {left!r} != {right!r}"

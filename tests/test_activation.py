@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import factories
 import pytest
 import vllm.v1.engine.core as core_module
 from engine_probe import HandshakeProbe, install_probe, launch_engine_core
@@ -19,7 +20,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
 
 import vllm_balance
-from vllm_balance import activation, factories, plugin, registry
+from vllm_balance import activation, plugin, registry
 from vllm_balance.shim.engine_core import BalanceDPEngineCoreProc
 from vllm_balance.shim.scheduler import BalanceSchedulerMixin
 
@@ -119,7 +120,7 @@ def test_async_scheduler_gets_balance_whatever_the_import_order(async_first):
         """
         import torch
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-        from vllm_balance import factories
+        from tests import factories
         from vllm_balance.selection import balance_counterpart
         cls = balance_counterpart(AsyncScheduler)
         assert issubclass(cls, AsyncScheduler), cls.__mro__

@@ -19,8 +19,9 @@ if has_seam():
     # refuse the seamed schedule() as unverified). Its drift test runs in the compat sessions.
     pytest.skip("vLLM has the seam: the compat path is not used", allow_module_level=True)
 
+from factories import make_request, make_scheduler, request_specs, step
+
 from vllm_balance.compat.scheduler import CompatBalanceAsyncScheduler, CompatBalanceScheduler
-from vllm_balance.factories import make_request, make_scheduler, request_specs, step
 
 CAP = 4
 ENABLED = {"enable_balance_scheduling": True}

@@ -30,6 +30,8 @@ if has_seam():
     # refuse the seamed schedule() as unverified). Its drift test runs in the compat sessions.
     pytest.skip("vLLM has the seam: the compat path is not used", allow_module_level=True)
 
+from factories import add_requests, make_requests, make_scheduler
+
 from vllm_balance.compat import derive
 from vllm_balance.compat.derive import (
     ALLOW_UNVERIFIED_ENV,
@@ -44,7 +46,6 @@ from vllm_balance.compat.derive import (
     is_slot_check,
     normalized_dump,
 )
-from vllm_balance.factories import add_requests, make_requests, make_scheduler
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""The behaviour contract (BRIEF.md), items 1-4, on the scheduler the installed vLLM gets.
+"""The behaviour contract (docs/design.md), items 1-4, on the scheduler the installed vLLM gets.
 
 Runs unchanged on every path: compat (no seam) and shim (seam sessions), and with each
 ``balance_collective`` (the default all_gather and the opt-in recursive doubling, issue 17).
@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import threading
 
+import factories
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import session_has_seam
 
 import vllm_balance
-from vllm_balance import factories
 from vllm_balance.shim import collective
 
 CAP = 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import factories
 import pytest
 import torch
 from test_contract import (
@@ -19,7 +20,6 @@ from test_contract import (
 from vllm.v1.request import RequestStatus
 
 import vllm_balance
-from vllm_balance import factories
 from vllm_balance.config import balance_options
 
 

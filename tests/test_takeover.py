@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 
+import factories
 import pytest
 import vllm.plugins
 import vllm.v1.core.sched.scheduler as scheduler_module
@@ -34,7 +35,7 @@ from vllm_ascend_standin import (
     vllm_name_facts,
 )
 
-from vllm_balance import activation, factories, plugin, registry
+from vllm_balance import activation, plugin, registry
 from vllm_balance.config import TAKE_OVER_KEY, balance_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,11 +6,11 @@ import os
 import subprocess
 import sys
 
+import factories
 import pytest
 from conftest import REQUIRE_NPU_ENV, ROOT, npu_missing_reason, session_pin_name
 
 from pins import DISTRIBUTIONS, PIN_NAMES, PinError, read_pin
-from vllm_balance import factories
 
 
 def test_session_imports_the_vllm_its_pin_file_names():

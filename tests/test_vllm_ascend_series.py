@@ -13,6 +13,7 @@ import ast
 import logging
 import re
 
+import factories
 import pytest
 import vllm.plugins
 from engine_probe import launch_engine_core
@@ -24,8 +25,6 @@ from vllm_ascend_standin import (
     vllm_ascend_in_this_process,
     vllm_name_facts,
 )
-
-from vllm_balance import factories
 
 series = load_series_module()
 ENABLED = {"enable_balance_scheduling": True}

@@ -10,8 +10,8 @@ import vllm.v1.engine.core  # noqa: F401
 import vllm.v1.engine.utils  # noqa: F401
 from vllm.config import SchedulerConfig  # noqa: F401
 
+import tests.factories  # noqa: F401
 import vllm_balance.activation  # noqa: F401
-import vllm_balance.factories  # noqa: F401
 import vllm_balance.plugin  # noqa: F401
 import vllm_balance.registry  # noqa: F401
 import vllm_balance.shim.engine_core  # noqa: F401

@@ -128,7 +128,7 @@ def _instrument_scheduler_selection() -> None:
 
 
 def build_config(spec: dict) -> Any:
-    from vllm_balance.factories import make_vllm_config
+    from tests.factories import make_vllm_config
 
     additional = {} if spec["mode"] == "baseline" else {"enable_balance_scheduling": True}
     additional.update(spec.get("additional_config", {}))

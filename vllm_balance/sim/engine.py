@@ -27,17 +27,18 @@ from typing import Any
 
 import torch
 
-from vllm_balance.factories import (
+from vllm_balance.sim.builders import (
     RequestSpec,
     make_request,
     make_scheduler,
     make_vllm_config,
     model_runner_output,
+    prompt_token_ids,
 )
 from vllm_balance.sim.policies import Policy
 from vllm_balance.sim.router import Counts
 from vllm_balance.sim.stepmodel import RankWork, StepTimeModel
-from vllm_balance.sim.workload import Arrival, prompt_token_ids
+from vllm_balance.sim.workload import Arrival
 
 
 @dataclass(frozen=True)

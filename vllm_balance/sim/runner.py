@@ -144,7 +144,7 @@ def build_workload(options: SimOptions) -> Workload:
 
 
 def cluster_config(options: SimOptions, arrivals: Sequence[Arrival]):
-    from vllm_balance.factories import BLOCK_SIZE
+    from vllm_balance.sim.builders import BLOCK_SIZE
     from vllm_balance.sim.engine import ClusterConfig
 
     longest = max(a.prompt_len + a.output_len for a in arrivals)

@@ -176,8 +176,3 @@ def load_trace(path: str | Path) -> list[Arrival]:
         raise TraceError(f"{path}: the trace has no requests")
     rows.sort(key=lambda row: row[0])
     return [Arrival(i, t, p, o) for i, (t, p, o) in enumerate(rows)]
-
-
-def prompt_token_ids(index: int, length: int) -> tuple[int, ...]:
-    """Distinct prompts per request, so no two requests share a cached prefix by accident."""
-    return tuple((index * 131 + j * 7) % 997 + 1 for j in range(length))

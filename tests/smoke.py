@@ -1,6 +1,6 @@
 """Smoke run: build a real vLLM Scheduler on CPU, drive requests to completion, print one line.
 
-``python -m vllm_balance.smoke`` (also ``nox -s smoke``, once per pin).
+``python tests/smoke.py`` (also ``nox -s smoke``, once per pin).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def smoke_report(num_requests: int = 64, max_num_seqs: int = 16) -> str:
+    import factories
     import vllm
 
-    from vllm_balance import factories
     from vllm_balance.selection import active_path
 
     started = time.perf_counter()

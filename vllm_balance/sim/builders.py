@@ -1,4 +1,4 @@
-"""Factories for real vLLM objects on a CPU-only machine.
+"""Builders of real vLLM objects on a CPU-only machine (what the simulator runs on).
 
 Everything here builds the genuine article from the installed vLLM: ``VllmConfig``, the
 ``Scheduler`` (or any subclass, such as ours), ``Request``s hashed with vLLM's sha256 block
@@ -8,14 +8,17 @@ runner would return for a ``SchedulerOutput`` (one sampled token per request who
 complete, nothing for a partial prefill chunk), so a scheduler can be stepped through
 ``schedule()`` / ``update_from_output()`` until its requests finish and free their blocks.
 
-Used by the test suite and by the simulator (``vllm_balance.sim``).
+The simulator's clusters are made of these; the test suite builds on them too
+(``tests/factories.py`` adds stepping and output comparison).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,8 +52,15 @@ def tiny_model_dir(moe: bool = True) -> str:
         config = LlamaConfig(**common)
         config.architectures = ["LlamaForCausalLM"]
     path = tempfile.mkdtemp(prefix=f"vllm-balance-{'moe' if moe else 'dense'}-")
+    atexit.register(_remove_dir, path, os.getpid())
     config.save_pretrained(path)
     return path
+
+
+def _remove_dir(path: str, owner_pid: int) -> None:
+    # A forked child inherits the cached path and the atexit hook: only the creator removes it.
+    if os.getpid() == owner_pid:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def make_vllm_config(
@@ -158,7 +168,7 @@ def make_scheduler(scheduler_cls: type | None = None, vllm_config=None, **config
 
 
 @functools.lru_cache(maxsize=1)
-def _block_hasher():
+def block_hasher():
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
@@ -178,6 +188,11 @@ class RequestSpec:
     priority: int = 0
 
 
+def prompt_token_ids(index: int, length: int) -> tuple[int, ...]:
+    """Distinct prompts per request, so no two requests share a cached prefix by accident."""
+    return tuple((index * 131 + j * 7) % 997 + 1 for j in range(length))
+
+
 def make_request(spec: RequestSpec):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
@@ -190,35 +205,8 @@ def make_request(spec: RequestSpec):
         pooling_params=None,
         arrival_time=spec.arrival_time,
         priority=spec.priority,
-        block_hasher=_block_hasher(),
+        block_hasher=block_hasher(),
     )
-
-
-def request_specs(
-    n: int,
-    prompt_len: int = 32,
-    max_tokens: int = 8,
-    prefix: str = "req",
-    shared_prefix: Sequence[int] = (),
-    start: int = 0,
-) -> list[RequestSpec]:
-    """``n`` request specs with distinct prompts (after an optional shared prefix)."""
-    specs = []
-    for i in range(start, start + n):
-        body = [(i * 131 + j * 7) % 997 + 1 for j in range(prompt_len - len(shared_prefix))]
-        specs.append(
-            RequestSpec(
-                request_id=f"{prefix}-{i}",
-                prompt_token_ids=tuple(shared_prefix) + tuple(body),
-                max_tokens=max_tokens,
-                arrival_time=float(i),
-            )
-        )
-    return specs
-
-
-def make_requests(n: int, **kwargs) -> list:
-    return [make_request(spec) for spec in request_specs(n, **kwargs)]
 
 
 def model_runner_output(scheduler_output, scheduler, token_id: int = 7):
@@ -240,74 +228,3 @@ def model_runner_output(scheduler_output, scheduler, token_id: int = 7):
         req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
         sampled_token_ids=sampled,
     )
-
-
-def step(scheduler, token_id: int = 7):
-    """One engine step: schedule, fabricate the forward, feed it back. Returns both outputs."""
-    scheduler_output = scheduler.schedule()
-    runner_output = model_runner_output(scheduler_output, scheduler, token_id)
-    engine_outputs = scheduler.update_from_output(scheduler_output, runner_output)
-    return scheduler_output, engine_outputs
-
-
-def run_to_completion(scheduler, max_steps: int = 10_000) -> int:
-    """Step until the scheduler has no unfinished requests; returns the number of steps."""
-    steps = 0
-    while scheduler.has_unfinished_requests():
-        step(scheduler)
-        steps += 1
-        if steps > max_steps:
-            raise RuntimeError(f"scheduler did not drain in {max_steps} steps")
-    return steps
-
-
-def add_requests(scheduler, requests: Iterable) -> None:
-    for request in requests:
-        scheduler.add_request(request)
-
-
-def describe(value: Any) -> Any:
-    """A plain, comparable rendering of a vLLM output object (dataclasses, sets, tensors).
-
-    Two ``SchedulerOutput``s are "the same output" when their descriptions are equal: same
-    scheduled / preempted / resumed sets, ``num_scheduled_tokens``, block ids, finished ids and
-    connector metadata. Objects without structure (e.g. ``SamplingParams``) compare by ``repr``.
-    """
-    import dataclasses
-
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
-            f.name: describe(getattr(value, f.name))
-            for f in dataclasses.fields(value)
-            if not f.name.startswith("_")
-        }
-    if isinstance(value, dict):
-        return {str(k): describe(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(value, (set, frozenset)):
-        return sorted((describe(v) for v in value), key=repr)
-    if isinstance(value, (list, tuple)):
-        return [describe(v) for v in value]
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return repr(value)
-
-
-def first_difference(left: Any, right: Any, path: str = "") -> str | None:
-    """The first field where two descriptions differ, as ``path: left != right``; None if equal."""
-    if isinstance(left, dict) and isinstance(right, dict):
-        for key in sorted(set(left) | set(right)):
-            if key not in left or key not in right:
-                return f"{path}.{key}: present on one side only"
-            found = first_difference(left[key], right[key], f"{path}.{key}")
-            if found:
-                return found
-        return None
-    if isinstance(left, list) and isinstance(right, list) and len(left) == len(right):
-        for i, (a, b) in enumerate(zip(left, right)):
-            found = first_difference(a, b, f"{path}[{i}]")
-            if found:
-                return found
-        return None
-    return None if left == right else f"{path or '<root>'}: {left!r} != {right!r}"
