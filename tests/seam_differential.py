@@ -19,17 +19,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import factories
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "upstream_patch"))
-from seam_patch import (  # noqa: E402
+from seam_patch import (
     SCHEDULER_MODULE,
     SEAM_METHOD,
     installed_version,

@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+import reach
+import support_matrix
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "upstream_patch"))
-import reach  # noqa: E402
-import support_matrix  # noqa: E402
 
 COUNTS = {"passed": 3, "failed": 0, "skipped": 0}
 OWN = {"upstream": COUNTS, "balance": COUNTS, "lost": 0, "problems": []}

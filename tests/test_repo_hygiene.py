@@ -93,8 +93,6 @@ def test_no_vllm_source_text_outside_the_series():
     """Shared runs of >= 6 code lines with the installed vLLM's scheduler.py / core.py, anywhere
     but the seam series and diff blocks in docs."""
     import vllm
-
-    sys.path.insert(0, str(ROOT / "tools"))
     from check_no_vllm_source import shared_runs
 
     vllm_dir = Path(vllm.__file__).parent
@@ -109,8 +107,6 @@ def test_no_vllm_source_check_finds_pasted_lines_but_not_a_quoted_diff(tmp_path)
     found; the same lines as context in a ```diff block (how the PR description quotes the seam)
     are not."""
     import vllm
-
-    sys.path.insert(0, str(ROOT / "tools"))
     from check_no_vllm_source import code_lines, shared_runs
 
     vllm_dir = Path(vllm.__file__).parent

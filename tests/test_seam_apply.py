@@ -17,12 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-APPLY = ROOT / "upstream_patch" / "apply.py"
-sys.path.insert(0, str(ROOT / "upstream_patch"))
-
-from seam_patch import (  # noqa: E402
+from seam_patch import (
     SCHEDULER_PATH,
     SEAM_METHOD,
     SEAM_TEST_PATH,
@@ -32,6 +27,9 @@ from seam_patch import (  # noqa: E402
     scheduler_text,
     serving_series,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
+APPLY = ROOT / "upstream_patch" / "apply.py"
 
 # The submitter's git configuration, as a test stands it in: apply.py must use it, not invent one.
 SUBMITTER = "Test Submitter <submitter@example.com>"

@@ -10,16 +10,11 @@ stored is what ``make_series.py`` generates.
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "upstream_patch"))
-
-from make_series import MESSAGE, check_series  # noqa: E402
-from seam_patch import (  # noqa: E402
+from make_series import MESSAGE, check_series
+from seam_patch import (
     SCHEDULER_PATH,
     SEAM_METHOD,
     SEAM_TEST_PATH,
@@ -32,7 +27,9 @@ from seam_patch import (  # noqa: E402
     serving_series,
 )
 
-from pins import PIN_NAMES, read_pin  # noqa: E402
+from pins import PIN_NAMES, read_pin
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SERIES = all_series()
 

