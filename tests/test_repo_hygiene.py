@@ -1,11 +1,13 @@
-"""Repository rules that keep the project honest (STYLE.md, DEVELOPERS.md)."""
+"""Repository rules that keep the project honest; each test names the rule it keeps."""
 
 from __future__ import annotations
 
 import ast
+import io
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,47 @@ def test_no_vllm_source_check_finds_pasted_lines_but_not_a_quoted_diff(tmp_path)
     found = shared_runs(tmp_path, vllm_dir)
 
     assert [line.split(":")[0] for line in found] == ["pasted.md"]
+
+
+MD_CITATION = re.compile(r"[A-Za-z0-9_./-]+\.md\b")
+
+
+def cited_documents(path: Path) -> set[str]:
+    """Markdown files named in a module's comments and docstrings (not in its code)."""
+    source = path.read_text()
+    text = [
+        t.string
+        for t in tokenize.generate_tokens(io.StringIO(source).readline)
+        if t.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            text.append(ast.get_docstring(node) or "")
+    return set(MD_CITATION.findall("\n".join(text)))
+
+
+def uncited_documents(folder: Path, root: Path) -> list[str]:
+    """``path: name`` for each document cited under ``folder`` that ``root`` does not hold."""
+    present = {p.relative_to(root).as_posix() for p in root.rglob("*.md") if ".nox" not in p.parts}
+    names = {p.rsplit("/", 1)[-1] for p in present}
+    return sorted(
+        f"{path.relative_to(folder)}: {name}"
+        for path in folder.rglob("*.py")
+        for name in cited_documents(path)
+        if name not in present and name.rsplit("/", 1)[-1] not in names
+    )
+
+
+def test_tests_cite_only_documents_in_this_repository():
+    """A rule a test keeps is explained where a reader of this repository can open it."""
+    assert uncited_documents(ROOT / "tests", ROOT) == []
+
+
+def test_citation_check_finds_a_document_outside_the_repository(tmp_path):
+    """Negative control: a docstring citing a document the tree lacks is found; one citing a
+    document the tree holds, and a .md name in code (a file a test writes), are not."""
+    (tmp_path / "design.md").write_text("# Design\n")
+    (tmp_path / "test_x.py").write_text(
+        '"""Rules from STYLE.md and design.md."""\nNAME = "pasted.md"  # see design.md\n'
+    )
+    assert uncited_documents(tmp_path, tmp_path) == ["test_x.py: STYLE.md"]
