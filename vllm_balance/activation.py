@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_balance import registry
 from vllm_balance.config import TAKE_OVER_KEY, balance_enabled, balance_options
 from vllm_balance.log import logger
+from vllm_balance.registry import DP_ENGINE_CORE_SWAP, RUN_ENGINE_CORE_WRAPPER
 from vllm_balance.takeover import (
     import_vllm_ascend_patches,
     is_vllm_ascend,
@@ -50,8 +52,6 @@ def _foreign_balance_patches() -> list[str]:
     """
     import vllm.v1.core.sched.scheduler as scheduler_module
     import vllm.v1.engine.core as core_module
-
-    from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
 
     below_ours = run_engine_core_reach(RUN_ENGINE_CORE_WRAPPER.upstream())
     candidates = {
@@ -143,8 +143,6 @@ def select_scheduler_cls(vllm_config: Any) -> type:
 
 def activate_for(vllm_config: Any) -> bool:
     """Install or remove balance for this engine process; returns whether it is active."""
-    from vllm_balance.registry import DP_ENGINE_CORE_SWAP
-
     if not balance_applies(vllm_config):
         DP_ENGINE_CORE_SWAP.uninstall()
         return False
@@ -188,8 +186,9 @@ def _take_over_if_requested(vllm_config: Any) -> None:
 
 def balance_run_engine_core(*args: Any, dp_rank: int = 0, local_dp_rank: int = 0, **kwargs: Any):
     """Replacement for ``EngineCoreProc.run_engine_core``: decide, then run upstream's."""
-    from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
-
     activate_for(kwargs.get("vllm_config"))
     upstream = RUN_ENGINE_CORE_WRAPPER.upstream()
     return upstream(*args, dp_rank=dp_rank, local_dp_rank=local_dp_rank, **kwargs)
+
+
+RUN_ENGINE_CORE_WRAPPER.replacement = lambda: registry.static_wrapper(balance_run_engine_core)

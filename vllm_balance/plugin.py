@@ -19,7 +19,7 @@ from vllm_balance.log import logger
 
 
 def register() -> None:
-    from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
+    from vllm_balance.activation import RUN_ENGINE_CORE_WRAPPER
     from vllm_balance.takeover import import_vllm_ascend_patches, run_engine_core_reach
 
     import_vllm_ascend_patches()

@@ -5,6 +5,9 @@ that would remove it) and Future Plan, and is reversible (``install()`` / ``unin
 tests can apply and remove it. Scheduler classes are not patched: they are chosen per engine
 process through ``scheduler_config.scheduler_cls`` (see ``vllm_balance.activation``).
 
+The registry imports nothing of this package but the shim: the modules that own a replacement
+(``activation``, ``takeover``) import it and set theirs at import time (``provided_by``).
+
 ``TAKE_OVER_PATCHES`` are installed only in take-over mode (``vllm_balance.takeover``): they put
 back the vLLM objects that vllm-ascend's own balance patch replaced, before this package's own
 patches go on top; ``uninstall_all()`` removes ours first, then gives vllm-ascend its names back.
@@ -12,6 +15,7 @@ patches go on top; ``uninstall_all()`` removes ours first, then gives vllm-ascen
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,24 +71,32 @@ def _engine_core_proc() -> Any:
     return EngineCoreProc
 
 
-def _engine_core_module() -> Any:
+def engine_core_module() -> Any:
     import vllm.v1.engine.core
 
     return vllm.v1.engine.core
 
 
-def _wrapper() -> Any:
-    from vllm_balance import activation
-
-    return _static_wrapper(activation.balance_run_engine_core)
-
-
 _STATICS: dict[Any, staticmethod] = {}
 
 
-def _static_wrapper(function: Any) -> staticmethod:
+def static_wrapper(function: Any) -> staticmethod:
     # One staticmethod object per function, so is_installed() can compare by identity.
     return _STATICS.setdefault(function, staticmethod(function))
+
+
+def provided_by(module: str) -> Callable[[], Any]:
+    """An entry's replacement until ``module`` (which imports this registry, never the reverse)
+    sets the real one at its import; called first, it imports ``module`` and defers to it."""
+
+    def placeholder() -> Any:
+        patch = next(p for p in ALL_PATCHES + TAKE_OVER_PATCHES if p.replacement is placeholder)
+        importlib.import_module(module)
+        if patch.replacement is placeholder:
+            raise RuntimeError(f"{module} did not set the replacement of {patch.name}")
+        return patch.replacement()
+
+    return placeholder
 
 
 def _balance_dp_engine_core() -> Any:
@@ -112,7 +124,7 @@ RUN_ENGINE_CORE_WRAPPER = RuntimePatch(
     ),
     owner=_engine_core_proc,
     attribute="run_engine_core",
-    replacement=_wrapper,
+    replacement=provided_by("vllm_balance.activation"),
 )
 
 DP_ENGINE_CORE_SWAP = RuntimePatch(
@@ -127,7 +139,7 @@ DP_ENGINE_CORE_SWAP = RuntimePatch(
     ),
     related_pr="none yet (same engine-core hook as above)",
     future_plan="drop with an upstream engine-core step hook",
-    owner=_engine_core_module,
+    owner=engine_core_module,
     attribute="DPEngineCoreProc",
     replacement=_balance_dp_engine_core,
 )
@@ -135,44 +147,18 @@ DP_ENGINE_CORE_SWAP = RuntimePatch(
 ALL_PATCHES: tuple[RuntimePatch, ...] = (RUN_ENGINE_CORE_WRAPPER, DP_ENGINE_CORE_SWAP)
 
 
-def _scheduler_module() -> Any:
+def scheduler_module() -> Any:
     import vllm.v1.core.sched.scheduler
 
     return vllm.v1.core.sched.scheduler
 
 
-def _async_scheduler_module() -> Any:
+def async_scheduler_module() -> Any:
     # Imported here at the earliest after TAKE_OVER_SCHEDULER: a first import then binds vLLM's
     # own Scheduler as AsyncScheduler's base, and there is nothing to rebuild.
     import vllm.v1.core.sched.async_scheduler
 
     return vllm.v1.core.sched.async_scheduler
-
-
-def _vllm_scheduler() -> Any:
-    from vllm_balance import takeover
-
-    module = _scheduler_module()
-    return takeover.vllm_class(module.Scheduler, module.__name__, "Scheduler")
-
-
-def _clean_async_scheduler() -> Any:
-    from vllm_balance import takeover
-
-    return takeover.clean_async_scheduler(_async_scheduler_module().AsyncScheduler)
-
-
-def _vllm_dp_engine_core() -> Any:
-    from vllm_balance import takeover
-
-    module = _engine_core_module()
-    return takeover.vllm_class(module.DPEngineCoreProc, module.__name__, "DPEngineCoreProc")
-
-
-def _vllm_run_engine_core() -> Any:
-    from vllm_balance import takeover
-
-    return _static_wrapper(takeover.vllm_run_engine_core())
 
 
 _TAKE_OVER_WHY = (
@@ -192,9 +178,9 @@ TAKE_OVER_SCHEDULER = RuntimePatch(
     how="vLLM's own Scheduler (the vLLM class in the swapped class's MRO) put back",
     related_pr=_TAKE_OVER_PR,
     future_plan=_TAKE_OVER_PLAN,
-    owner=_scheduler_module,
+    owner=scheduler_module,
     attribute="Scheduler",
-    replacement=_vllm_scheduler,
+    replacement=provided_by("vllm_balance.takeover"),
 )
 
 TAKE_OVER_ASYNC_SCHEDULER = RuntimePatch(
@@ -210,9 +196,9 @@ TAKE_OVER_ASYNC_SCHEDULER = RuntimePatch(
     ),
     related_pr=_TAKE_OVER_PR,
     future_plan=_TAKE_OVER_PLAN,
-    owner=_async_scheduler_module,
+    owner=async_scheduler_module,
     attribute="AsyncScheduler",
-    replacement=_clean_async_scheduler,
+    replacement=provided_by("vllm_balance.takeover"),
 )
 
 TAKE_OVER_DP_ENGINE_CORE = RuntimePatch(
@@ -221,9 +207,9 @@ TAKE_OVER_DP_ENGINE_CORE = RuntimePatch(
     how="vLLM's own DPEngineCoreProc (the vLLM class in the swapped class's MRO) put back",
     related_pr=_TAKE_OVER_PR,
     future_plan=_TAKE_OVER_PLAN,
-    owner=_engine_core_module,
+    owner=engine_core_module,
     attribute="DPEngineCoreProc",
-    replacement=_vllm_dp_engine_core,
+    replacement=provided_by("vllm_balance.takeover"),
 )
 
 TAKE_OVER_RUN_ENGINE_CORE = RuntimePatch(
@@ -234,7 +220,7 @@ TAKE_OVER_RUN_ENGINE_CORE = RuntimePatch(
     future_plan=_TAKE_OVER_PLAN,
     owner=_engine_core_proc,
     attribute="run_engine_core",
-    replacement=_vllm_run_engine_core,
+    replacement=provided_by("vllm_balance.takeover"),
 )
 
 # Install order: Scheduler before AsyncScheduler (the rebuild needs vLLM's Scheduler in place).

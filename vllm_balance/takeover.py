@@ -30,8 +30,10 @@ import importlib.util
 import sys
 from typing import Any
 
+from vllm_balance import registry
 from vllm_balance.config import TAKE_OVER_KEY, _additional_value
 from vllm_balance.log import logger
+from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER, TAKE_OVER_PATCHES
 
 VLLM_ASCEND = "vllm_ascend"
 # vllm_ascend/utils.py adapt_patch(is_global_patch=True) imports this package; its __init__
@@ -128,8 +130,6 @@ def run_engine_core_reach(start: Any) -> list:
     (``_OriginalRunEngineCore``, ``_PreviousRunEngineCore``, ``_UpstreamRunEngineCore`` at
     vllm-ascend 182b75ea). The walk stops at vLLM's own function.
     """
-    from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
-
     ours = _function(RUN_ENGINE_CORE_WRAPPER.replacement())
     found: list = []
     todo = [_function(start)]
@@ -151,8 +151,6 @@ def run_engine_core_reach(start: Any) -> list:
 
 def vllm_run_engine_core() -> Any:
     """vLLM's own ``run_engine_core`` function, found behind whatever wraps it now."""
-    from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
-
     for function in run_engine_core_reach(RUN_ENGINE_CORE_WRAPPER.current()):
         if is_vllm_run_engine_core(function):
             return function
@@ -174,8 +172,6 @@ def take_over(vllm_config: Any, foreign: list[str]) -> None:
     ``foreign`` is what ``activation._foreign_balance_patches()`` found; the caller checks that
     nothing is left afterwards.
     """
-    from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER, TAKE_OVER_PATCHES
-
     if short_request_first_enabled(vllm_config):
         raise TakeOverError(
             f"{TAKE_OVER_KEY} cannot keep vllm-ascend's {SHORT_REQUEST_FIRST_KEY}: vllm-ascend "
@@ -195,3 +191,23 @@ def take_over(vllm_config: Any, foreign: list[str]) -> None:
         TAKE_OVER_KEY,
         "; ".join(foreign),
     )
+
+
+def _vllm_scheduler() -> Any:
+    module = registry.scheduler_module()
+    return vllm_class(module.Scheduler, module.__name__, "Scheduler")
+
+
+def _vllm_dp_engine_core() -> Any:
+    module = registry.engine_core_module()
+    return vllm_class(module.DPEngineCoreProc, module.__name__, "DPEngineCoreProc")
+
+
+registry.TAKE_OVER_SCHEDULER.replacement = _vllm_scheduler
+registry.TAKE_OVER_ASYNC_SCHEDULER.replacement = lambda: clean_async_scheduler(
+    registry.async_scheduler_module().AsyncScheduler
+)
+registry.TAKE_OVER_DP_ENGINE_CORE.replacement = _vllm_dp_engine_core
+registry.TAKE_OVER_RUN_ENGINE_CORE.replacement = lambda: registry.static_wrapper(
+    vllm_run_engine_core()
+)
