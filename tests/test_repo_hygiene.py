@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import graphlib
 import io
 import re
 import subprocess
@@ -164,3 +165,55 @@ def test_citation_check_finds_a_document_outside_the_repository(tmp_path):
         '"""Rules from STYLE.md and design.md."""\nNAME = "pasted.md"  # see design.md\n'
     )
     assert uncited_documents(tmp_path, tmp_path) == ["test_x.py: STYLE.md"]
+
+
+PRODUCT_FOLDERS = {"vllm_balance": "vllm_balance", "vllm_balance.shim": "shim"}
+PRODUCT_FOLDERS["vllm_balance.compat"] = "compat"
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the product modules it imports anywhere in its body (function-level too)."""
+    modules = {}
+    for package, folder in PRODUCT_FOLDERS.items():
+        for path in (root / folder).rglob("*.py"):
+            parts = path.relative_to(root / folder).with_suffix("").parts
+            modules[".".join((package, *parts[: -1 if parts[-1] == "__init__" else None]))] = path
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    child = f"{node.module}.{alias.name}"
+                    found.add(child if child in modules else node.module)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def import_cycle(root: Path) -> list[str] | None:
+    try:
+        graphlib.TopologicalSorter(import_graph(root)).prepare()
+    except graphlib.CycleError as exc:
+        return exc.args[1]
+    return None
+
+
+def test_product_has_no_import_cycles():
+    """Each product module can be read and changed knowing only what it imports."""
+    assert import_cycle(ROOT) is None
+
+
+def test_import_cycle_check_finds_a_loop(tmp_path):
+    """Negative control: activation -> registry -> activation (the loop issue 15 removed)."""
+    for folder in PRODUCT_FOLDERS.values():
+        (tmp_path / folder).mkdir()
+    (tmp_path / "vllm_balance" / "activation.py").write_text("from vllm_balance import registry\n")
+    (tmp_path / "vllm_balance" / "registry.py").write_text(
+        "def f():\n    from vllm_balance.activation import g\n"
+    )
+    assert sorted(set(import_cycle(tmp_path))) == [
+        "vllm_balance.activation",
+        "vllm_balance.registry",
+    ]
