@@ -29,9 +29,18 @@ else:
     Phase2ASchedule = derive_phase2a_schedule()
 
 
-class CompatBalanceScheduler(BalanceSchedulerMixin, Phase2ASchedule):
+class Phase2ASeam:
+    """The seam the shim's mixin binds; the derived ``schedule()`` never calls it."""
+
+    def _should_stop_admitting_waiting(self) -> bool:
+        return False
+
+
+class CompatBalanceScheduler(BalanceSchedulerMixin, Phase2ASeam, Phase2ASchedule):
     """Balance on the synchronous ``Scheduler`` of a vLLM without the seam."""
 
 
-class CompatBalanceAsyncScheduler(BalanceSchedulerMixin, Phase2ASchedule, AsyncScheduler):
+class CompatBalanceAsyncScheduler(
+    BalanceSchedulerMixin, Phase2ASeam, Phase2ASchedule, AsyncScheduler
+):
     """Balance on ``AsyncScheduler`` (vLLM's default) of a vLLM without the seam."""

@@ -66,9 +66,8 @@ class BalanceSchedulerMixin:
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)  # type: ignore[call-arg]
         # Bound once: the seam is called per WAITING-loop iteration, and a super() lookup per call
-        # would cost the shim ~1% of an admission-heavy step (benchmarks/instructions.py). None
-        # under compat, whose derived schedule() never calls the seam.
-        self._upstream_should_stop = getattr(super(), "_should_stop_admitting_waiting", None)
+        # would cost the shim ~1% of an admission-heavy step (benchmarks/instructions.py).
+        self._upstream_should_stop = super()._should_stop_admitting_waiting  # type: ignore[misc]
         self._balance_enabled = balance_enabled(vllm_config)
         # Injected by BalanceDPEngineCoreProc: the gloo DP group exists before the scheduler.
         self.dp_group: Any = None

@@ -7,11 +7,15 @@ can appear in a fork under any version number.
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Literal
 
 from vllm_balance.log import logger
 
 SEAM_NAME = "_should_stop_admitting_waiting"
+# The Phase 2A fallback for a vLLM without the seam. The day every supported vLLM has the seam:
+# delete compat/ and set this to None (docs/design.md, "Deleting compat/").
+PHASE_2A_FALLBACK: str | None = "vllm_balance.compat.scheduler"
 Path = Literal["shim", "compat"]
 
 
@@ -45,10 +49,12 @@ def balance_scheduler_classes() -> tuple[type, type]:
         from vllm_balance.shim.scheduler import BalanceAsyncScheduler, BalanceScheduler
 
         return BalanceScheduler, BalanceAsyncScheduler
-    # Phase 2A fallback; obsolete once vLLM ships the seam (delete compat/ with this branch).
-    from vllm_balance.compat.scheduler import CompatBalanceAsyncScheduler, CompatBalanceScheduler
-
-    return CompatBalanceScheduler, CompatBalanceAsyncScheduler
+    if PHASE_2A_FALLBACK is None:
+        raise RuntimeError(
+            f"balance scheduling needs Scheduler.{SEAM_NAME} (upstream_patch/); this vLLM lacks it"
+        )
+    fallback = importlib.import_module(PHASE_2A_FALLBACK)
+    return fallback.CompatBalanceScheduler, fallback.CompatBalanceAsyncScheduler
 
 
 def balance_counterpart(upstream_cls: type) -> type | None:
