@@ -9,7 +9,7 @@ so, ``balance_gather()`` (the engine core's position: after the step, before the
 ``schedule()``). After every step the full ``describe(SchedulerOutput)``, the request outputs and
 the queues (running order, the order of every waiting queue the release has, finished ids,
 per-request progress, free KV blocks) must be equal; the first difference raises
-:class:`Divergence` naming the step and the field path (``factories.first_difference``).
+:class:`Divergence` naming the step and the field path (``factories.observation_difference``).
 
 Modes (what ``balance_queue`` holds and what the reference is):
 
@@ -50,17 +50,12 @@ from typing import Any
 
 import factories
 import torch
+from factories import SHARED_PREFIXES, Divergence, prompt_token_ids
 from hypothesis import HealthCheck, example, given, note, settings
 from hypothesis import strategies as st
 
 import vllm_balance
 
-# Shared prompt prefixes, whole blocks so the prefix cache can hit them; index 0 is "none".
-PREFIXES: tuple[tuple[int, ...], ...] = (
-    (),
-    tuple(range(900, 900 + 2 * factories.BLOCK_SIZE)),
-    tuple(range(600, 600 + 3 * factories.BLOCK_SIZE)),
-)
 MAX_STEPS = 150
 ENABLED = {"enable_balance_scheduling": True}
 
@@ -81,10 +76,6 @@ def property_settings(max_examples: int) -> settings:
     )
 
 
-class Divergence(AssertionError):
-    """Our scheduler and the reference disagreed; names the step and the first differing field."""
-
-
 # ------------------------------------------------------------------------------------ workloads
 
 
@@ -93,7 +84,7 @@ class Req:
     """One request of a workload; its tokens are derived, so the repr stays short."""
 
     index: int
-    prefix: int  # index into PREFIXES
+    prefix: int  # index into SHARED_PREFIXES
     tail: int  # prompt tokens after the prefix
     max_tokens: int
     arrive: int  # added before this step
@@ -105,8 +96,7 @@ class Req:
 
     def prompt(self) -> tuple[int, ...]:
         # Distinct tails per request: only the shared prefix can hit the prefix cache.
-        body = tuple((self.index * 131 + j * 7) % 500 + 1 for j in range(self.tail))
-        return PREFIXES[self.prefix] + body
+        return SHARED_PREFIXES[self.prefix] + prompt_token_ids(self.index, self.tail)
 
     def __repr__(self) -> str:
         grammar = "" if self.grammar_ready is None else f", grammar_ready={self.grammar_ready}"
@@ -204,7 +194,7 @@ def workloads(draw, at_cap: bool, structured: bool = True) -> Workload:
         requests.append(
             Req(
                 index=i,
-                prefix=draw(st.integers(0, len(PREFIXES) - 1)),
+                prefix=draw(st.integers(0, len(SHARED_PREFIXES) - 1)),
                 tail=draw(st.integers(1, 80)),
                 max_tokens=draw(st.integers(1, 24)),
                 arrive=arrive,
@@ -316,11 +306,6 @@ def set_gathered(scheduler, counts: list[int]) -> None:
     scheduler.balance_queue = [torch.tensor([c], dtype=torch.int32) for c in counts]
 
 
-# Upstream's waiting queues differ between releases (0.31 dropped ``skipped_waiting`` and added
-# ``kv_holding_waiting``); every one the installed release has is compared.
-WAITING_QUEUES = ("waiting", "skipped_waiting", "kv_holding_waiting")
-
-
 def admission_limit(scheduler) -> str:
     """The attribute upstream's WAITING loop stops at: ``max_num_active_reqs`` where it exists."""
     return (
@@ -426,38 +411,6 @@ class DPGroup:
 
 
 # -------------------------------------------------------------------------------- the engine
-
-
-def _engine_outputs(outputs: dict) -> list:
-    # Timestamps differ between any two runs; the per-request results must not.
-    return [
-        (client, o.request_id, list(o.new_token_ids), str(o.finish_reason))
-        for client, batch in sorted(outputs.items())
-        for o in batch.outputs
-    ]
-
-
-def observe(scheduler, output, engine_outputs) -> dict:
-    """Everything compared after a step: the full SchedulerOutput, request outputs, queues."""
-    return {
-        "output": factories.describe(output),
-        "engine_outputs": _engine_outputs(engine_outputs),
-        "queues": {
-            "running": [r.request_id for r in scheduler.running],
-            **{
-                name: [r.request_id for r in getattr(scheduler, name)]
-                for name in WAITING_QUEUES
-                if hasattr(scheduler, name)
-            },
-            "deferred": sorted(r.request_id for r in getattr(scheduler, "deferred_waiting", ())),
-            "finished": sorted(scheduler.finished_req_ids),
-            "progress": sorted(
-                (rid, r.num_computed_tokens, r.num_output_tokens, r.status.name)
-                for rid, r in scheduler.requests.items()
-            ),
-            "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
-        },
-    }
 
 
 def facts(scheduler, output, frozen: bool, vector_at_cap: bool) -> set[str]:
@@ -591,12 +544,12 @@ def compare(workload: Workload, mode: str) -> Run:
             ref_engine = reference.update_from_output(
                 ref_output, factories.model_runner_output(ref_output, reference)
             )
-            observed = observe(ours, our_output, our_engine)
-            expected = observe(reference, ref_output, ref_engine)
-            for part in observed:  # the SchedulerOutput first: it names the decision that differs
-                difference = factories.first_difference(observed[part], expected[part], part)
-                if difference:
-                    _fail(workload, step_index, difference, vector)
+            difference = factories.observation_difference(
+                factories.observe(ours, our_output, our_engine),
+                factories.observe(reference, ref_output, ref_engine),
+            )
+            if difference:
+                _fail(workload, step_index, difference, vector)
             run.facts.update(facts(reference, ref_output, frozen, vector_at_cap))
 
             if gathers:

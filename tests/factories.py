@@ -79,9 +79,10 @@ def add_requests(scheduler, requests: Iterable) -> None:
 def describe(value: Any) -> Any:
     """A plain, comparable rendering of a vLLM output object (dataclasses, sets, tensors).
 
-    Two ``SchedulerOutput``s are "the same output" when their descriptions are equal: same
-    scheduled / preempted / resumed sets, ``num_scheduled_tokens``, block ids, finished ids and
-    connector metadata. Objects without structure (e.g. ``SamplingParams``) compare by ``repr``.
+    Two ``SchedulerOutput``s are "the same output" when ``first_difference`` finds nothing: same
+    scheduled / preempted / resumed sets, ``num_scheduled_tokens`` (in vLLM's order), block ids,
+    finished ids and connector metadata. Objects without structure (e.g. ``SamplingParams``)
+    compare by ``repr``; one whose repr is its identity fails loudly.
     """
     import dataclasses
 
@@ -93,27 +94,31 @@ def describe(value: Any) -> Any:
             for f in dataclasses.fields(value)
             if not f.name.startswith("_")
         }
-    if isinstance(value, dict):
-        return {str(k): describe(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, dict):  # insertion order kept: first_difference compares it
+        return {str(k): describe(v) for k, v in value.items()}
     if isinstance(value, (set, frozenset)):
         return sorted((describe(v) for v in value), key=repr)
     if isinstance(value, (list, tuple)):
         return [describe(v) for v in value]
     if hasattr(value, "tolist"):
         return value.tolist()
-    return repr(value)
+    text = repr(value)
+    # An identity-based repr would make equal objects differ; fail loudly instead of flaking.
+    assert " at 0x" not in text, f"cannot compare {type(value).__name__} by value"
+    return text
 
 
 def first_difference(left: Any, right: Any, path: str = "") -> str | None:
     """The first field where two descriptions differ, as ``path: left != right``; None if equal."""
     if isinstance(left, dict) and isinstance(right, dict):
-        for key in sorted(set(left) | set(right)):
+        for key in [*left, *(k for k in right if k not in left)]:
             if key not in left or key not in right:
                 return f"{path}.{key}: present on one side only"
             found = first_difference(left[key], right[key], f"{path}.{key}")
             if found:
                 return found
-        return None
+        # Same items: vLLM's own order (e.g. of num_scheduled_tokens) must match too.
+        return None if list(left) == list(right) else f"{path}: order {list(left)} != {list(right)}"
     if isinstance(left, list) and isinstance(right, list) and len(left) == len(right):
         for i, (a, b) in enumerate(zip(left, right)):
             found = first_difference(a, b, f"{path}[{i}]")
@@ -121,3 +126,62 @@ def first_difference(left: Any, right: Any, path: str = "") -> str | None:
                 return found
         return None
     return None if left == right else f"{path or '<root>'}: {left!r} != {right!r}"
+
+
+# -- trace and compare: the one observation both differential engines make per step ------------
+
+# Shared prompt prefixes, whole blocks so the prefix cache can hit them; index 0 is "none".
+SHARED_PREFIXES: tuple[tuple[int, ...], ...] = (
+    (),
+    tuple(range(900, 900 + 2 * BLOCK_SIZE)),
+    tuple(range(600, 600 + 3 * BLOCK_SIZE)),
+)
+# Upstream's waiting queues differ between releases (0.31 dropped ``skipped_waiting`` and added
+# ``kv_holding_waiting``); every one the installed release has is observed.
+WAITING_QUEUES = ("waiting", "skipped_waiting", "kv_holding_waiting")
+
+
+class Divergence(AssertionError):
+    """Two schedulers disagreed; the message names the first step and field that differ."""
+
+
+def engine_outputs(outputs: dict) -> list:
+    """The request outputs of ``update_from_output`` (timestamps differ between any two runs)."""
+    return [
+        (client, o.request_id, list(o.new_token_ids), str(o.finish_reason))
+        for client, batch in sorted(outputs.items())
+        for o in batch.outputs
+    ]
+
+
+def observe(scheduler, output, outputs: dict) -> dict:
+    """Everything compared after a step: the full SchedulerOutput, request outputs, queues."""
+    return {
+        "output": describe(output),
+        "engine_outputs": engine_outputs(outputs),
+        "queues": {
+            "running": [r.request_id for r in scheduler.running],
+            **{
+                name: [r.request_id for r in getattr(scheduler, name)]
+                for name in WAITING_QUEUES
+                if hasattr(scheduler, name)
+            },
+            "deferred": sorted(r.request_id for r in getattr(scheduler, "deferred_waiting", ())),
+            "finished": sorted(scheduler.finished_req_ids),
+            "progress": sorted(
+                (rid, r.num_computed_tokens, r.num_output_tokens, r.status.name)
+                for rid, r in scheduler.requests.items()
+            ),
+            "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+        },
+    }
+
+
+def observation_difference(observed: dict, expected: dict) -> str | None:
+    """The first difference between two ``observe()`` results, the SchedulerOutput first (it
+    names the decision that differs); None if equal."""
+    for part in observed:
+        found = first_difference(observed[part], expected[part], part)
+        if found:
+            return found
+    return None

@@ -1,7 +1,8 @@
 """Differential test driver: two Scheduler classes, one workload, the same outputs step by step.
 
 The seam must not change behaviour, so the unpatched and the patched ``Scheduler`` of the same
-vLLM are run on the same workload and everything observable is compared after every step: the
+vLLM are run on the same workload and everything observable is compared after every step
+(``factories.observe``, the observation the balance differential makes too): the
 ``SchedulerOutput`` (new/cached/resumed/preempted/finished requests, tokens per request, block
 ids), the request outputs fed back by ``update_from_output`` (tokens, finish reasons), and the
 scheduler's queues, per-request progress and free KV blocks. An exception on one side is an
@@ -16,15 +17,14 @@ runs per release) and by ``benchmarks/run.py --parts seam``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
 
 import factories
+from factories import Divergence
 from seam_patch import (
     SCHEDULER_MODULE,
     SEAM_METHOD,
@@ -34,10 +34,6 @@ from seam_patch import (
     scheduler_text,
     split_at_seam_method,
 )
-
-
-class Divergence(AssertionError):
-    """The two schedulers disagreed; the message names the first step and field that differ."""
 
 
 @dataclass(frozen=True)
@@ -119,48 +115,6 @@ def _vllm_config(max_num_seqs: int, max_num_batched_tokens: int, blocks: int, ca
     )
 
 
-def normalize(value: Any) -> Any:
-    """A plain, comparable form of a scheduler output (order kept where vLLM keeps it)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: normalize(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return [(normalize(k), normalize(v)) for k, v in value.items()]
-    if isinstance(value, (set, frozenset)):
-        return sorted((normalize(v) for v in value), key=repr)
-    if isinstance(value, (list, tuple)):
-        return [normalize(v) for v in value]
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    text = repr(value)
-    # An identity-based repr would make equal objects differ; fail loudly instead of flaking.
-    assert " at 0x" not in text, f"cannot compare {type(value).__name__} by value"
-    return text
-
-
-def _engine_outputs(outputs: dict) -> list:
-    # Timestamps differ between any two runs; the per-request results must not.
-    return [
-        (client, o.request_id, list(o.new_token_ids), str(o.finish_reason))
-        for client, batch in sorted(outputs.items())
-        for o in batch.outputs
-    ]
-
-
-def _state(scheduler) -> dict:
-    requests = scheduler.requests
-    return {
-        "running": [r.request_id for r in scheduler.running],
-        "waiting": sorted(r.request_id for r in scheduler.waiting),
-        "progress": sorted(
-            (rid, r.num_computed_tokens, r.num_output_tokens, str(r.status))
-            for rid, r in requests.items()
-        ),
-        "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
-    }
-
-
 def _facts(scheduler, output, workload: Workload, preempted_before: set[str]) -> set[str]:
     """Which scheduler paths this step exercised (to show the workloads reach what the
     neutrality claim covers; compared like everything else)."""
@@ -226,9 +180,7 @@ def trace(scheduler_cls: type, workload: Workload) -> list:
             records.append(
                 {
                     "step": step_index,
-                    "output": normalize(output),
-                    "engine": _engine_outputs(engine_outputs),
-                    "state": _state(scheduler),
+                    **factories.observe(scheduler, output, engine_outputs),
                     "facts": sorted(facts),
                 }
             )
@@ -242,10 +194,9 @@ def compare(baseline_cls: type, candidate_cls: type, workload: Workload) -> int:
     expected = trace(baseline_cls, workload)
     actual = trace(candidate_cls, workload)
     for want, got in zip(expected, actual):
-        if want != got:
-            keys = [k for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)]
-            detail = {k: (want.get(k), got.get(k)) for k in keys if k != "output"}
-            raise Divergence(f"step {want.get('step')}: {keys} differ: {detail!r:.600}")
+        difference = factories.first_difference(got, want)
+        if difference:
+            raise Divergence(f"step {want.get('step')}: {difference:.600}")
     if len(expected) != len(actual):
         raise Divergence(f"trace lengths differ: {len(expected)} vs {len(actual)} steps")
     return len(expected)

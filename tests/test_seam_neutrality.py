@@ -16,13 +16,10 @@ import os
 
 import pytest
 import seam_differential as differential
-from factories import BLOCK_SIZE, RequestSpec
+from factories import SHARED_PREFIXES, RequestSpec, prompt_token_ids
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from seam_differential import SEAM_METHOD, Divergence, Workload
-
-# Two shared prefixes (whole blocks, so they can be cached) and none.
-PREFIXES = ((), tuple(range(900, 900 + 2 * BLOCK_SIZE)), tuple(range(600, 600 + 3 * BLOCK_SIZE)))
 
 # The default CI runs this on both pins and with/without the seam: keep it to seconds.
 NEUTRALITY_SETTINGS = settings(
@@ -36,7 +33,7 @@ NEUTRALITY_SETTINGS = settings(
 
 def spec(i: int, prompt_len: int, max_tokens: int, prefix: tuple[int, ...] = ()) -> RequestSpec:
     # Distinct tails per request, so only the shared prefix can hit the prefix cache.
-    tail = tuple((i * 131 + j * 7) % 500 + 1 for j in range(prompt_len - len(prefix)))
+    tail = prompt_token_ids(i, prompt_len - len(prefix))
     return RequestSpec(f"r{i}", prefix + tail, max_tokens, arrival_time=float(i))
 
 
@@ -62,7 +59,7 @@ SCENARIOS = {
         max_num_batched_tokens=2048,
         num_gpu_blocks=1000,
         enable_prefix_caching=True,
-        requests=tuple(spec(i, 60, 4, PREFIXES[2]) for i in range(4)),
+        requests=tuple(spec(i, 60, 4, SHARED_PREFIXES[2]) for i in range(4)),
         arrival_steps=(0, 2, 2, 3),
     ),
     "kv_pressure_preemption": Workload(
@@ -78,7 +75,7 @@ SCENARIOS = {
         max_num_batched_tokens=64,
         num_gpu_blocks=1000,
         enable_prefix_caching=True,
-        requests=tuple(spec(i, 40, 8, PREFIXES[1]) for i in range(5)),
+        requests=tuple(spec(i, 40, 8, SHARED_PREFIXES[1]) for i in range(5)),
         arrival_steps=(0, 0, 1, 1, 2),
         aborts=((2, 0), (3, 3), (4, 4)),
     ),
@@ -96,7 +93,7 @@ def workloads(draw) -> Workload:
             prefix=prefix,
         )
         for i, prefix in enumerate(
-            draw(st.lists(st.sampled_from(PREFIXES), min_size=n, max_size=n))
+            draw(st.lists(st.sampled_from(SHARED_PREFIXES), min_size=n, max_size=n))
         )
     )
     return Workload(

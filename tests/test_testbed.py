@@ -123,3 +123,16 @@ def test_require_npu_fails_a_run_where_no_npu_is_visible():
     )
     assert required.returncode != 0
     assert f"{REQUIRE_NPU_ENV}=1 but " in required.stderr, required.stderr[-2000:]
+
+
+def test_first_difference_names_the_field_and_vllm_order():
+    """The one normalizer of both differential engines: a changed value is named by its path,
+    the same items in another order are a difference, an identity repr refuses to compare."""
+    left = factories.describe({"tokens": {"a": 1, "b": 2}})
+    assert factories.first_difference(left, left) is None
+    changed = factories.describe({"tokens": {"a": 1, "b": 3}})
+    assert factories.first_difference(left, changed) == ".tokens.b: 2 != 3"
+    reordered = factories.describe({"tokens": {"b": 2, "a": 1}})
+    assert factories.first_difference(left, reordered) == ".tokens: order ['a', 'b'] != ['b', 'a']"
+    with pytest.raises(AssertionError, match="cannot compare object by value"):
+        factories.describe(object())
