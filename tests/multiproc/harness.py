@@ -17,11 +17,11 @@ own encoders (``MsgpackEncoder`` / ``MsgpackDecoder``, ``EngineCoreRequest``):
   START_DP_WAVE delivery scriptable, which turns timing-dependent wave-boundary races into
   deterministic traces. See docs/deadlocks.md for what exactly is bypassed.
 
-A trace is a list of events (``Add``, ``Abort``, ``WaitTokens``, ``WaitWaveEnd``, ``Sleep``,
-``DelayWaveStart``, ``Kill``). ``Cluster.run_trace`` plays it, waits for the wave to end, fetches
-every rank's records through a UTILITY request on the real input queue, and returns them;
-``check_trace`` asserts the per-run invariants. A run that stops making progress is a ``Hang``:
-every rank's stacks are dumped (SIGUSR1 -> faulthandler) and all processes are killed.
+A trace is a list of events (``events.py``). ``Cluster.run_trace`` plays it, waits for the wave
+to end, fetches every rank's records through a UTILITY request on the real input queue, and
+returns them; ``invariants.check_trace`` asserts the per-run invariants. A run that stops making
+progress is a ``Hang``: every rank's stacks are dumped (SIGUSR1 -> faulthandler) and all
+processes are killed.
 """
 
 from __future__ import annotations
@@ -35,10 +35,23 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.multiproc.events import (
+    Abort,
+    Add,
+    DelayWaveStart,
+    Event,
+    Hang,
+    Kill,
+    RequestState,
+    Sleep,
+    Trace,
+    TraceResult,
+    WaitTokens,
+    WaitWaveEnd,
+)
 from tests.multiproc.rank import rank_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,92 +60,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # 31 dummy steps before the wave ends. No message for this long means the cluster is stuck.
 DEFAULT_STALL_SECONDS = 8.0
 STARTUP_SECONDS = 180.0
-
-
-# ---------------------------------------------------------------- trace events
-@dataclass(frozen=True)
-class Add:
-    rank: int
-    request_id: str
-    prompt_len: int
-    max_tokens: int
-
-
-@dataclass(frozen=True)
-class Abort:
-    rank: int
-    request_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class WaitTokens:
-    """Block the script until ``request_id`` has produced ``n`` tokens (or finished)."""
-
-    request_id: str
-    n: int
-
-
-@dataclass(frozen=True)
-class WaitWaveEnd:
-    """Block until every live request finished and the DP wave completed (engines paused)."""
-
-
-@dataclass(frozen=True)
-class Sleep:
-    seconds: float
-
-
-@dataclass(frozen=True)
-class DelayWaveStart:
-    """The coordinator holds the next START_DP_WAVE broadcast for ``seconds`` (late input)."""
-
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Kill:
-    """SIGKILL one rank (fault injection)."""
-
-    rank: int
-
-
-Event = Add | Abort | WaitTokens | WaitWaveEnd | Sleep | DelayWaveStart | Kill
-
-
-@dataclass
-class Trace:
-    name: str
-    dp_size: int
-    events: list[Event]
-    note: str = ""
-
-
-# ---------------------------------------------------------------- results
-class Hang(Exception):
-    """The cluster stopped making progress; carries every rank's stack dump."""
-
-    def __init__(self, what: str, stacks: dict[int, str]):
-        super().__init__(f"no progress while waiting for {what}")
-        self.what = what
-        self.stacks = stacks
-
-
-@dataclass
-class RequestState:
-    rank: int
-    max_tokens: int
-    tokens: int = 0
-    finish_reason: Any = None
-    aborted: bool = False
-
-
-@dataclass
-class TraceResult:
-    trace: Trace
-    requests: dict[str, RequestState]
-    records: dict[int, list]
-    waves: int
-    seconds: float
 
 
 # ---------------------------------------------------------------- helpers
@@ -642,87 +569,3 @@ class Cluster:
             waves=self.waves_completed - waves_before,
             seconds=time.monotonic() - start,
         )
-
-
-# ---------------------------------------------------------------- per-run invariants
-@dataclass
-class TraceSummary:
-    gathers: int
-    frozen_steps: int
-    schedule_steps: int
-    forwards: dict[int, int] = field(default_factory=dict)
-
-
-def check_trace(result: TraceResult, balance: bool = True) -> TraceSummary:
-    """Assert the per-run invariants of one completed trace; return counts for reporting.
-
-    1. every request finished with its expected token count (aborted: never more than asked);
-    2. every rank did the same number of gathers, and gather k returned the same vector on every
-       rank (so every rank's gate decision for the next step is the same); under the log-depth
-       reduction, the same reduction, equal to max/min/sum of that step's shadow all_gather, and
-       the gate reads its max;
-    3. one gather per active step: on each rank, gathers == forwards (model or dummy);
-    4. the gate decision each rank took is the contract's: frozen <=> max(gathered) == cap, no
-       admission while frozen, and admission while open when a WAITING request fits;
-    5. one schedule record per engine step: on each rank, the schedule() calls that scheduled
-       tokens equal the model forwards (a record per nested call would count a step twice).
-    """
-    name = result.trace.name
-    for request_id, state in result.requests.items():
-        if state.aborted:
-            assert state.tokens <= state.max_tokens, (name, request_id, state)
-            continue
-        assert state.finish_reason is not None, (name, request_id, "unfinished", state)
-        assert str(state.finish_reason).lower().endswith("length"), (name, request_id, state)
-        assert state.tokens == state.max_tokens, (name, request_id, state)
-
-    per_rank_gathers = {
-        rank: [
-            (fields["queue"], fields.get("reduced")) for kind, fields in records if kind == "gather"
-        ]
-        for rank, records in result.records.items()
-    }
-    counts = {rank: len(g) for rank, g in per_rank_gathers.items()}
-    assert len(set(counts.values())) == 1, (name, "gather counts differ", counts)
-    vectors = list(per_rank_gathers.values())
-    for k, gathered in enumerate(zip(*vectors, strict=True)):
-        assert all(v == gathered[0] for v in gathered), (name, f"gather {k} differs", gathered)
-    gathers = next(iter(counts.values()))
-    if not balance:
-        assert gathers == 0, (name, "baseline gathered", counts)
-
-    forwards = {}
-    frozen_steps = schedule_steps = 0
-    for rank, records in result.records.items():
-        forwards[rank] = sum(1 for kind, _ in records if kind in ("exec", "dummy"))
-        if balance:
-            assert forwards[rank] == counts[rank], (name, rank, "gathers != forwards", forwards)
-        model_forwards = sum(1 for kind, _ in records if kind == "exec")
-        busy_schedules = sum(1 for kind, f in records if kind == "schedule" and f["tokens"])
-        assert busy_schedules == model_forwards, (name, rank, busy_schedules, model_forwards)
-        last_gather = None
-        for kind, fields in records:
-            if kind == "gather":
-                last_gather = fields["queue"]
-                if fields.get("reduced") is not None:  # balance_collective=recursive_doubling
-                    # The reduction against the shadow all_gather of the same step, and the
-                    # balance_queue the gate reads: the largest count alone.
-                    expected = [max(last_gather), min(last_gather), sum(last_gather)]
-                    assert fields["reduced"] == expected, (name, rank, "reduction", fields)
-                    last_gather = [max(last_gather)]
-                continue
-            if kind != "schedule" or not balance:
-                continue
-            schedule_steps += 1
-            queue = fields["queue"]
-            # The gate reads exactly what the last gather wrote (zeros before the first one).
-            assert queue == (last_gather or [0] * len(queue)), (name, rank, queue, last_gather)
-            frozen = max(queue) == fields["cap"]
-            if fields["frozen"] is not None:
-                assert fields["frozen"] == frozen, (name, rank, "gate decision", fields)
-            if frozen:
-                frozen_steps += 1
-                assert fields["admitted"] == 0, (name, rank, "admitted while frozen", fields)
-            elif fields["waiting"] and fields["running"] < fields["cap"]:
-                assert fields["admitted"] > 0, (name, rank, "open gate did not admit", fields)
-    return TraceSummary(gathers, frozen_steps, schedule_steps, forwards)

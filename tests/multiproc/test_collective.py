@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multiproc.harness import Add, Cluster, Trace, check_trace
+from tests.multiproc.events import Add, Trace
+from tests.multiproc.harness import Cluster
+from tests.multiproc.invariants import check_trace
 from tests.multiproc.traces import CAP, fixed_traces
 from vllm_balance.config import COLLECTIVE_KEY, RECURSIVE_DOUBLING
 

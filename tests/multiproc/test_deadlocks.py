@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multiproc.harness import Cluster, Hang, check_trace, main_thread_frames
+from tests.multiproc.events import Hang
+from tests.multiproc.harness import Cluster, main_thread_frames
+from tests.multiproc.invariants import check_trace
 from tests.multiproc.traces import drain_early, fixed_traces, late_wave_start
 from tests.multiproc.watchdog_log import WatchdogLine, assert_blocked_exactly, watchdog_lines
 from vllm_balance.config import GATHER_WARN_KEY

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multiproc.harness import Add, Cluster, Kill, Trace, WaitTokens
+from tests.multiproc.events import Add, Kill, Trace, WaitTokens
+from tests.multiproc.harness import Cluster
 from tests.multiproc.standin import FORWARD_SECONDS_ENV
 
 pytestmark = pytest.mark.timeout(900)

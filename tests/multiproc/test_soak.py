@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from tests.multiproc.harness import Cluster, check_trace
+from tests.multiproc.harness import Cluster
+from tests.multiproc.invariants import check_trace
 from tests.multiproc.traces import random_trace
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]

@@ -16,7 +16,9 @@ from collections.abc import Callable
 import psutil
 import pytest
 
-from tests.multiproc.harness import Add, Cluster, Trace, TraceResult, check_trace
+from tests.multiproc.events import Add, Trace, TraceResult
+from tests.multiproc.harness import Cluster
+from tests.multiproc.invariants import check_trace
 from tests.multiproc.standin import PAUSE_AFTER_FORWARD_ENV
 from tests.multiproc.watchdog_log import WatchdogLine, watchdog_lines
 from vllm_balance.config import GATHER_WARN_KEY

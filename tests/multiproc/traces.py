@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from tests.multiproc.harness import (
+from tests.multiproc.events import (
     Abort,
     Add,
     DelayWaveStart,
