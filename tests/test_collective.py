@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+import factories
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +20,6 @@ from test_contract import CAP, gloo_groups, run_as_ranks
 
 import vllm_balance
 from tests.multiproc.variants import late_fold_in_reduce
-from vllm_balance import factories
 from vllm_balance.shim import collective
 
 # Powers of two and not, up to two extra ranks folded in (5, 6) and three rounds (8).

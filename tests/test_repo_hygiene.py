@@ -166,7 +166,8 @@ PRODUCT_FOLDERS["vllm_balance.compat"] = "compat"
 
 
 def import_graph(root: Path) -> dict[str, set[str]]:
-    """Module -> the product modules it imports anywhere in its body (function-level too)."""
+    """Module -> the product modules it imports anywhere in its body (function-level too), but
+    for imports that only type checkers see."""
     modules = {}
     for package, folder in PRODUCT_FOLDERS.items():
         for path in (root / folder).rglob("*.py"):
@@ -175,7 +176,17 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     graph = {}
     for name, path in modules.items():
         found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        # Annotation-only imports (``if TYPE_CHECKING:``) never run: they make no loop.
+        typing_only = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for inner in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:

@@ -11,9 +11,7 @@ import re
 import shlex
 from pathlib import Path
 
-import doc_commands
-
-from tests.e2e.runs import BALANCE_ON, MODEL_DTYPE
+from tests.e2e.runs import BALANCE_ON, MODEL_DTYPE, ROOT
 from tests.e2e.server import ServerSpec
 from tests.e2e.tiny_moe import build_parser
 
