@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -60,15 +61,20 @@ def prepared_scheduler(cls, vllm_config, workload: str, frozen: bool):
 
 
 def unwatched_gather(scheduler) -> None:
-    """``balance_gather()`` without its two watchdog lines: the baseline of the watchdog's cost.
+    """``balance_gather()`` (default collective) without its watchdog lines: the baseline of the
+    watchdog's cost.
 
     The watchdog thread (started by the scheduler's first ``balance_gather()``) is running while
-    this is measured, as it is in serving; what differs is only the timestamp the gather writes.
+    this is measured, as it is in serving; what differs is only the per-gather ``start_for``
+    check and the timestamp the gather writes and clears. The gather-time accounting the metrics
+    read stays in, so it is not charged to the watchdog.
     """
     if not scheduler._balance_enabled or scheduler.dp_group is None:
         return
+    started = time.monotonic()
     running_count = torch.tensor([len(scheduler.running)], dtype=torch.int32)
     dist.all_gather(scheduler.balance_queue, running_count, group=scheduler.dp_group)
+    scheduler.balance_stats.gather_seconds += time.monotonic() - started
     scheduler.observe_gathered()
 
 

@@ -114,7 +114,8 @@ class BalanceSchedulerMixin:
         if not self._balance_enabled or self.dp_group is None:
             return
         watchdog = self._gather_watchdog
-        watchdog.start_for(self)
+        if watchdog.unstarted:
+            watchdog.start_for(self)
         reduced = None
         watchdog.started = started = time.monotonic()
         try:
