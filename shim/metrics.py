@@ -45,7 +45,11 @@ COUNTERS = (
         "released_steps",
         "Frozen steps opened by the bounded hold (balance_max_frozen_steps).",
     ),
-    ("balance_gathers", "gathers", "All-gathers of the running counts across the DP group."),
+    (
+        "balance_gathers",
+        "gathers",
+        "Exchanges of the running counts across the DP group (all_gather or the reduction).",
+    ),
     (
         "balance_gather_seconds",
         "gather_seconds",
