@@ -65,15 +65,10 @@ def install_pinned_vllm(session: nox.Session, pin_name: str, seam: bool = False)
     session.install("-r", "requirements/test-tools.txt", "-r", "requirements/sim.txt")
     pin = install_pin(session, pin_name)
     session.install("--no-deps", "-e", ".")
-    if seam:
-        apply_seam(session)
+    if seam:  # upstream_patch/'s seam, applied to this venv's vLLM
+        session.run("python", "upstream_patch/apply.py", "installed")
     session.env["VLLM_BALANCE_SEAM"] = "1" if seam else "0"
     return pin
-
-
-def apply_seam(session: nox.Session) -> None:
-    """Apply upstream_patch/'s seam to the vLLM installed in this session's venv."""
-    session.run("python", "upstream_patch/apply.py", "installed")
 
 
 def run_pytest(session: nox.Session, marker: str, *paths: str) -> None:
