@@ -39,33 +39,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+import steps
+
 MARKER = "_PyEval_CallTracing"
 GATHER_CALLS = 200
-VARIANTS = ("upstream", "on-open", "on-frozen", "gate-only")
-WORKLOADS = ("admission", "decode")
-
-
-def _positive_ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _positive_int(text: str) -> int:
-    values = _positive_ints(text)
-    if len(values) != 1:  # "3,4" would otherwise pass as 3
-        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
-    return values[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=_positive_int, default=3, help="counted rounds (default 3)")
-    p.add_argument("--dp", type=_positive_ints, default="8,64,256", help="comma-separated DP sizes")
+    p.add_argument("--reps", type=int, default=3, help="counted rounds (default 3)")
+    p.add_argument(
+        "--dp", type=steps.int_list(1), default="8,64,256", help="comma-separated DP sizes"
+    )
     p.add_argument(
         "--gather-only",
         action="store_true",
@@ -114,10 +99,8 @@ def _repeated(gather):
 
 def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
     import torch.distributed as dist
-    from steps import prepared_scheduler, scheduler_configs, unwatched_gather
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
     from vllm.utils.network_utils import get_open_port
-    from vllm.v1.core.sched.scheduler import Scheduler
 
     import vllm_balance
     from vllm_balance.sim.builders import make_scheduler, make_vllm_config
@@ -137,27 +120,19 @@ def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
     for rep in range(reps + 1):
         sink = labels if rep else None
         for dp in dp_sizes:
-            upstream_cfg, balance_cfg = scheduler_configs(dp)
-            for workload in WORKLOADS:
-                for variant in VARIANTS[:3]:
-                    cls, cfg = (
-                        (Scheduler, upstream_cfg)
-                        if variant == "upstream"
-                        else (
-                            vllm_balance.BalanceScheduler,
-                            balance_cfg,
-                        )
-                    )
-                    sched = prepared_scheduler(cls, cfg, workload, variant == "on-frozen")
+            configs = steps.scheduler_configs(dp)
+            for workload in steps.WORKLOADS:
+                for variant in steps.VARIANTS:
+                    sched = steps.prepared_scheduler(variant, configs, workload)
                     _measured(f"{dp}/{workload}/{variant}", sched.schedule, sink)
-            gate = make_scheduler(vllm_balance.BalanceScheduler, balance_cfg)
+            gate = make_scheduler(vllm_balance.BalanceScheduler, configs[1])
             _measured(f"{dp}/gate/gate-only", gate.leader_at_cap, sink)
         # The first balance_gather() (round 0) starts the watchdog thread; it keeps running.
         _measured("gather/real", _repeated(gatherer.balance_gather), sink)
         dist.all_gather = _no_collective
         try:
             watched = ("gather/watched", _repeated(gatherer.balance_gather))
-            unwatched = ("gather/unwatched", _repeated(lambda: unwatched_gather(gatherer)))
+            unwatched = ("gather/unwatched", _repeated(lambda: steps.unwatched_gather(gatherer)))
             for label, gather in (watched, unwatched) if rep % 2 else (unwatched, watched):
                 _measured(label, gather, sink)
         finally:
@@ -252,7 +227,7 @@ def _rows(dp_sizes: list[int], counts: dict[str, list[int]]) -> list[dict]:
     rows = []
     for dp in dp_sizes:
         gate = statistics.median(counts[f"{dp}/gate/gate-only"])
-        for workload in WORKLOADS:
+        for workload in steps.WORKLOADS:
             upstream = counts[f"{dp}/{workload}/upstream"]
             base = statistics.median(upstream)
             on_open = counts[f"{dp}/{workload}/on-open"]
@@ -280,16 +255,14 @@ def markdown(result: dict) -> str:
             f"Instructions per `schedule()` on the {result['active_path']} path (callgrind, "
             f"{result['reps']} measurements each, medians), ratio vs upstream `Scheduler`:",
             "",
-            "| DP | step | upstream instructions | on, gate open | on, gate frozen "
-            "| gate decision alone | rep-to-rep spread |",
-            "|---|---|---|---|---|---|---|",
         ]
-        out += [
-            f"| {x['dp']} | {x['workload']} | {x['upstream_instructions']:,} | "
-            f"{x['on_open_ratio']:.4f}x | {x['on_frozen_ratio']:.4f}x | "
-            f"{x['gate_instructions']:,} | {x['spread']:.3%} |"
-            for x in result["rows"]
-        ]
+        out += steps.markdown_table(
+            "DP | step | upstream instructions | on, gate open | on, gate frozen "
+            "| gate decision alone | rep-to-rep spread",
+            result["rows"],
+            "{dp} | {workload} | {upstream_instructions:,} | {on_open_ratio:.4f}x "
+            "| {on_frozen_ratio:.4f}x | {gate_instructions:,} | {spread:.3%}",
+        )
         out.append("")
     g = result["gather"]
     out.append(
@@ -308,17 +281,18 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM's first import
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"--reps: expected a positive integer, got {args.reps}")
     dp_sizes = args.dp
     if args.gather_only:
         dp_sizes = []
     if args.child:
         child(dp_sizes, args.reps, args.child)
         return 0
-    from steps import emit
-
     result = measure(dp_sizes, args.reps)
-    emit(result, markdown(result), args.json)
+    steps.emit(result, markdown(result), args.json)
     return 0
 
 

@@ -12,7 +12,7 @@
     gate's own per-step cost (``leader_at_cap()``), which is where balance-on time goes.
 (b) ``gather``: per-step cost of ``balance_gather()`` on a real gloo group (DP 2 and 4 processes on
     loopback by default, ``--gather-dp`` for others) vs one bare ``all_reduce`` and one bare
-    ``all_gather`` of one int32 on the same group, vs ``unwatched_gather()``, the same gather
+    ``all_gather`` of one int32 on the same group, vs ``steps.unwatched_gather()``, the same gather
     without its watchdog lines (issue 24), and vs the opt-in log-depth collective
     (``balance_collective: "recursive_doubling"``, issue 17, docs/scaling.md): the same
     ``balance_gather()`` of a scheduler configured with it, and the bare reduction
@@ -38,6 +38,7 @@ Timings are never asserted anywhere; this prints ratios (and writes them as JSON
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import random
@@ -47,9 +48,9 @@ import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
 
+import steps
 import torch
 import torch.distributed as dist
-from steps import CAP, emit, prepared_scheduler, scheduler_configs, unwatched_gather
 
 ROOT = Path(__file__).resolve().parent.parent
 DP_SIZES = (8, 64, 256)
@@ -58,12 +59,8 @@ DP_SIZES = (8, 64, 256)
 def interleaved_timings(
     groups: dict[Hashable, dict[str, Callable[[], object]]], reps: int
 ) -> dict[tuple[Hashable, str], list[tuple[int, int]]]:
-    """(wall ns, thread CPU ns) of one ``schedule()`` per group, variant and repetition.
-
-    Each repetition prepares a fresh scheduler per variant (not timed) and times one
-    ``schedule()``; within a group the variants run in rotating order, so drift and other load on
-    the machine hit them alike.
-    """
+    """(wall ns, thread CPU ns) of one ``schedule()`` per group, variant and repetition: a fresh
+    scheduler per variant (not timed), variants in rotating order (the module docstring, (a))."""
     samples: dict[tuple[Hashable, str], list[tuple[int, int]]] = {}
     for rep in range(reps):
         for group, variants in groups.items():
@@ -93,26 +90,16 @@ def _median_ms(samples: list[tuple[int, int]], cpu: bool = False) -> float:
 
 
 def bench_schedule(reps: int) -> dict:
-    from vllm.v1.core.sched.scheduler import Scheduler
-
     import vllm_balance
 
-    balance_cls = vllm_balance.BalanceScheduler
-    configs = {dp: scheduler_configs(dp) for dp in DP_SIZES}
+    configs = {dp: steps.scheduler_configs(dp) for dp in DP_SIZES}
     groups = {
         (dp, workload): {
-            "upstream": lambda c=configs[dp], w=workload: prepared_scheduler(
-                Scheduler, c[0], w, False
-            ),
-            "on-open": lambda c=configs[dp], w=workload: prepared_scheduler(
-                balance_cls, c[1], w, False
-            ),
-            "on-frozen": lambda c=configs[dp], w=workload: prepared_scheduler(
-                balance_cls, c[1], w, True
-            ),
+            variant: functools.partial(steps.prepared_scheduler, variant, configs[dp], workload)
+            for variant in steps.VARIANTS
         }
         for dp in DP_SIZES
-        for workload in ("admission", "decode")
+        for workload in steps.WORKLOADS
     }
     times = interleaved_timings(groups, reps)
     rows = []
@@ -133,7 +120,7 @@ def bench_schedule(reps: int) -> dict:
         "active_path": vllm_balance.active_path(),
         "reps": reps,
         "rows": rows,
-        "gate_us": bench_gate(balance_cls, configs),
+        "gate_us": bench_gate(vllm_balance.BalanceScheduler, configs),
     }
 
 
@@ -172,7 +159,7 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
     def gathering_scheduler(collective_name: str):
         config = make_vllm_config(  # a cap above every rank's 4 + rank requests: DP up to 252
             data_parallel_size=world,
-            max_num_seqs=CAP,
+            max_num_seqs=steps.CAP,
             additional_config={
                 "enable_balance_scheduling": True,
                 "balance_collective": collective_name,
@@ -190,7 +177,7 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
     bare_out = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
     ops = {
         "balance_gather": lambda: scheduler.balance_gather(),
-        "unwatched_gather": lambda: unwatched_gather(scheduler),
+        "unwatched_gather": lambda: steps.unwatched_gather(scheduler),
         "all_reduce": lambda: dist.all_reduce(one, group=group),
         "all_gather": lambda: dist.all_gather(bare_out, one, group=group),
     }
@@ -328,8 +315,8 @@ def bench_seam(reps: int) -> dict:
 
     twins = seam_differential.twins()
     config = make_vllm_config(
-        max_num_seqs=CAP,
-        max_num_batched_tokens=CAP * SEAM_PROMPT_LEN,
+        max_num_seqs=steps.CAP,
+        max_num_batched_tokens=steps.CAP * SEAM_PROMPT_LEN,
         num_gpu_blocks=SEAM_WAITING * 4,
     )
     specs = request_specs(SEAM_WAITING, prompt_len=SEAM_PROMPT_LEN, max_tokens=16)
@@ -352,7 +339,7 @@ def bench_seam(reps: int) -> dict:
 
     # The seam call against its default body inline, in the state of the step's last check.
     scheduler = with_waiting(twins.patched)()
-    assert len(scheduler.schedule().scheduled_new_reqs) == CAP
+    assert len(scheduler.schedule().scheduled_new_reqs) == steps.CAP
     method = getattr(scheduler, SEAM_METHOD)
     body = split_at_seam_method(twins.patched_source)[1].split('"""')[-1]
     statements = [ln.strip() for ln in body.splitlines() if ln.strip()]
@@ -370,7 +357,7 @@ def bench_seam(reps: int) -> dict:
     return {
         "series": twins.series_ref,
         "waiting": SEAM_WAITING,
-        "max_num_seqs": CAP,
+        "max_num_seqs": steps.CAP,
         "reps": reps,
         "median_cpu_ms": {name: round(_median_ms(t, cpu=True), 3) for name, t in times.items()},
         "cpu_ratio_patched": ratio("patched", cpu=True),
@@ -379,7 +366,9 @@ def bench_seam(reps: int) -> dict:
         "wall_ratio_aa_control": ratio("aa_control", cpu=False),
         "seam_call_ns": round(call_ns),
         "inline_check_ns": round(inline_ns),
-        "bound_ratio": round(1 + (CAP + 1) * max(call_ns - inline_ns, 0.0) / (step_ms * 1e6), 4),
+        "bound_ratio": round(
+            1 + (steps.CAP + 1) * max(call_ns - inline_ns, 0.0) / (step_ms * 1e6), 4
+        ),
     }
 
 
@@ -392,50 +381,40 @@ def markdown(results: dict) -> str:
             f"schedule() on the {r['active_path']} path, {r['reps']} interleaved repetitions, "
             "ratio of medians vs upstream `Scheduler`:",
             "",
-            "| DP | step | upstream ms | on, gate open | on, gate frozen |",
-            "|---|---|---|---|---|",
         ]
-        out += [
-            f"| {x['dp']} | {x['workload']} | {x['upstream_ms']:.3f} | {x['on_open_ratio']:.3f}x "
-            f"| {x['on_frozen_ratio']:.3f}x |"
-            for x in r["rows"]
-        ]
+        out += steps.markdown_table(
+            "DP | step | upstream ms | on, gate open | on, gate frozen",
+            r["rows"],
+            "{dp} | {workload} | {upstream_ms:.3f} | {on_open_ratio:.3f}x | {on_frozen_ratio:.3f}x",
+        )
         gate = ", ".join(f"DP={dp}: {us} µs" for dp, us in r["gate_us"].items())
         out += ["", f"Gate decision `leader_at_cap()` alone (median): {gate}.", ""]
     if "gather" in results:
-        out += [
-            "| DP | balance_gather µs, all_gather | balance_gather µs, recursive_doubling "
-            "| recursive_doubling / all_gather | bare reduce_running µs "
-            "| without watchdog µs | bare all_reduce µs "
-            "| bare all_gather µs | gather / without watchdog "
-            "| gather / all_reduce | gather / all_gather | load average |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        out += [
-            f"| {x['dp']} | {x['balance_gather_us']} | {x['balance_reduce_us']} | "
-            f"{x['reduce_vs_gather']:.2f}x | {x['reduce_running_us']} | "
-            f"{x['unwatched_gather_us']} | "
-            f"{x['all_reduce_us']} | {x['all_gather_us']} | "
-            f"{x['watched_vs_unwatched']:.3f}x | {x['gather_vs_all_reduce']:.2f}x | "
-            f"{x['gather_vs_all_gather']:.2f}x | {x['load_average']} |"
-            for x in results["gather"]
-        ]
+        out += steps.markdown_table(
+            "DP | balance_gather µs, all_gather | balance_gather µs, recursive_doubling "
+            "| recursive_doubling / all_gather | bare reduce_running µs | without watchdog µs "
+            "| bare all_reduce µs | bare all_gather µs | gather / without watchdog "
+            "| gather / all_reduce | gather / all_gather | load average",
+            results["gather"],
+            "{dp} | {balance_gather_us} | {balance_reduce_us} | {reduce_vs_gather:.2f}x "
+            "| {reduce_running_us} | {unwatched_gather_us} | {all_reduce_us} | {all_gather_us} "
+            "| {watched_vs_unwatched:.3f}x | {gather_vs_all_reduce:.2f}x "
+            "| {gather_vs_all_gather:.2f}x | {load_average}",
+        )
         out.append("")
     if "sim" in results:
         out += [
             f"Policies {', '.join(SIM_POLICIES)}, {SIM_REQUESTS_PER_RANK} requests per rank; "
             "steps and CPU seconds summed over both runs:",
             "",
-            "| DP | requests | steps | CPU s | steps/CPU s | rank-steps/CPU s | wall, one "
-            "process | wall, parallel | load average |",
-            "|---|---|---|---|---|---|---|---|---|",
         ]
-        out += [
-            f"| {x['dp']} | {x['requests']} | {x['steps']} | {x['cpu_s']} | "
-            f"{x['steps_per_cpu_s']} | {x['rank_steps_per_cpu_s']} | {x['serial_wall_s']} s | "
-            f"{x['parallel_wall_s']} s ({x['processes']} processes) | {x['load_average']} |"
-            for x in results["sim"]
-        ]
+        out += steps.markdown_table(
+            "DP | requests | steps | CPU s | steps/CPU s | rank-steps/CPU s | wall, one process "
+            "| wall, parallel | load average",
+            results["sim"],
+            "{dp} | {requests} | {steps} | {cpu_s} | {steps_per_cpu_s} | {rank_steps_per_cpu_s} "
+            "| {serial_wall_s} s | {parallel_wall_s} s ({processes} processes) | {load_average}",
+        )
     if "instructions" in results:
         import instructions
 
@@ -467,16 +446,6 @@ def _parts(text: str) -> set[str]:
     return parts
 
 
-def _gather_dp_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 2:  # a gather needs two ranks to cost anything
-        raise argparse.ArgumentTypeError(f"expected DP sizes >= 2, got {text!r}")
-    return sizes
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -486,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gather-iters", type=int, default=500)
     p.add_argument(
         "--gather-dp",
-        type=_gather_dp_sizes,
+        type=steps.int_list(2),  # a gather needs two ranks to cost anything
         default="2,4",
         help="comma-separated DP sizes (processes) of the gather part",
     )
@@ -514,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     if "seam" in parts:
         results["seam"] = bench_seam(args.seam_reps)
     results["command"] = "python benchmarks/run.py " + " ".join(argv or sys.argv[1:])
-    emit(results, markdown(results), args.json)
+    steps.emit(results, markdown(results), args.json)
     return 0
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.steps import markdown_table
+
 # vLLM's result keys -> ours; every one of them is vLLM's own measurement.
 METRICS = {
     "output_throughput": "tok_s",
@@ -28,6 +30,8 @@ SIM_METRICS = {
     "ttft_p99_ms": "ttft_p99_ms",
     "tpot_p50_ms": "tpot_p50_ms",
 }
+# What summary.json keeps of each run (the rest of runs.json is the raw material).
+RUN_KEYS = "policy rate repeat load completed num_prompts result ttft_phases_ms balance_stats"
 # A busy-loop iteration whose time outside _process_engine_step() exceeds this waited for input
 # (an idle server), not for a step's collectives: it is not a step time.
 IDLE_GAP_MS = 100.0
@@ -328,11 +332,9 @@ def agreement(table: dict, simulated: dict) -> dict:
 
 # ------------------------------------------------------------------------ writing
 def write_plot(path: Path, table: dict, simulated: dict) -> None:
-    import matplotlib
+    from vllm_balance.sim.report import _pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     panels = [("tok_s", "output tok/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
               ("ttft_p99_ms", "TTFT p99 (ms)"), ("tpot_p50_ms", "TPOT p50 (ms)")]  # fmt: skip
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
@@ -359,58 +361,58 @@ def write_plot(path: Path, table: dict, simulated: dict) -> None:
     plt.close(fig)
 
 
+# The table's columns, measured then simulated, with their decimals.
+DECIMALS = {"tok_s": 0, "ttft_p50_ms": 0, "ttft_p99_ms": 0, "tpot_p50_ms": 1}
+
+
 def table_markdown(table: dict, simulated: dict) -> str:
-    lines = [
-        "| policy | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | sim tok/s | "
-        "sim TTFT p50 | sim TTFT p99 | sim TPOT p50 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for policy, cells in table.items():
         for rate in sorted(cells, key=float):
             cell, sim = cells[rate], simulated.get(policy, {}).get(rate, {})
-            measured_cols = [
-                f"{cell[k]['mean']:.0f} ({cell[k]['min']:.0f}-{cell[k]['max']:.0f})"
-                if k != "tpot_p50_ms"
-                else f"{cell[k]['mean']:.1f} ({cell[k]['min']:.1f}-{cell[k]['max']:.1f})"
-                for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
-            ]
-            sim_cols = [
-                f"{sim[k]:.0f}" if sim else "-" for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms")
-            ]
-            sim_cols.append(f"{sim['tpot_p50_ms']:.1f}" if sim else "-")
-            lines.append(f"| {policy} | {rate} | " + " | ".join(measured_cols + sim_cols) + " |")
-    return "\n".join(lines) + "\n"
+            spreads = [spread(cell[k], d) for k, d in DECIMALS.items()]
+            sims = [f"{sim[k]:.{d}f}" if sim else "-" for k, d in DECIMALS.items()]
+            rows.append([policy, rate, *spreads, *sims])
+    header = "policy | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | sim tok/s | "
+    header += "sim TTFT p50 | sim TTFT p99 | sim TPOT p50"
+    return "\n".join(markdown_table(header, rows)) + "\n"
+
+
+def spread(stats: dict, decimals: int) -> str:
+    return f"{stats['mean']:.{decimals}f} ({stats['min']:.{decimals}f}-{stats['max']:.{decimals}f})"
+
+
+def by_rate(cells: dict) -> list:
+    return sorted(cells.items(), key=lambda item: float(item[0]))
 
 
 def agreement_markdown(rows: dict) -> str:
     """The acceptance view: sign of on - off per rate, and simulated / measured per cell."""
-    lines = [
-        "| req/s | on - off TTFT p99 ms: measured / simulated | agree | on - off tok/s: "
-        "measured / simulated | agree |",
-        "|---|---|---|---|---|",
-    ]
-    for rate, keys in sorted(rows["sign"].items(), key=lambda item: float(item[0])):
-        cells = []
-        for key in ("ttft_p99_ms", "tok_s"):
-            sign = keys[key]
+    signs = []
+    for rate, keys in by_rate(rows["sign"]):
+        signs.append([rate])
+        for sign in (keys["ttft_p99_ms"], keys["tok_s"]):
             noise = " (within spread)" if sign["measured_within_spread"] else ""
-            cells.append(f"{sign['measured_delta']:+.0f}{noise} / {sign['simulated_delta']:+.0f}")
-            cells.append("yes" if sign["agree"] else "**no**")
-        lines.append(f"| {rate} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "| policy | req/s | sim / measured tok/s | sim / measured TTFT p50 | "
-        "(sim TTFT p50 + front end) / measured | sim / measured engine TTFT (mean) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for policy, cells in rows["ratio"].items():
-        for rate, ratio in sorted(cells.items(), key=lambda item: float(item[0])):
-            extra = [ratio.get("ttft_p50_plus_front_end"), ratio.get("engine_ttft_mean")]
-            lines.append(
-                f"| {policy} | {rate} | {ratio['tok_s']:.2f} | {ratio['ttft_p50_ms']:.2f} | "
-                + " | ".join("-" if x is None else f"{x:.2f}" for x in extra)
-                + " |"
+            signs[-1].append(
+                f"{sign['measured_delta']:+.0f}{noise} / {sign['simulated_delta']:+.0f}"
             )
+            signs[-1].append("yes" if sign["agree"] else "**no**")
+    keys = ("tok_s", "ttft_p50_ms", "ttft_p50_plus_front_end", "engine_ttft_mean")
+    ratios = [
+        [policy, rate, *("-" if ratio.get(k) is None else f"{ratio[k]:.2f}" for k in keys)]
+        for policy, cells in rows["ratio"].items()
+        for rate, ratio in by_rate(cells)
+    ]
+    lines = markdown_table(
+        "req/s | on - off TTFT p99 ms: measured / simulated | agree | on - off tok/s: "
+        "measured / simulated | agree",
+        signs,
+    )
+    lines += [""] + markdown_table(
+        "policy | req/s | sim / measured tok/s | sim / measured TTFT p50 | "
+        "(sim TTFT p50 + front end) / measured | sim / measured engine TTFT (mean)",
+        ratios,
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -428,23 +430,7 @@ def report(out: Path) -> dict:
         model["gather_ms"] = round(max(delta, 0.0), 3)
     simulated = simulate(out, runs, model) if model else {}
     summary = {
-        "runs": [
-            {
-                k: run.get(k)
-                for k in (
-                    "policy",
-                    "rate",
-                    "repeat",
-                    "load",
-                    "completed",
-                    "num_prompts",
-                    "result",
-                    "ttft_phases_ms",
-                    "balance_stats",
-                )
-            }  # fmt: skip
-            for run in runs
-        ],
+        "runs": [{k: run.get(k) for k in RUN_KEYS.split()} for run in runs],
         "measured": table,
         "step_model": model,
         "prefill_vs_decode": prefill_vs_decode(off_steps),

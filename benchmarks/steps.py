@@ -1,14 +1,16 @@
-"""What ``run.py`` and ``instructions.py`` share: the measured scheduler steps and the report.
+"""What the benchmark scripts share: the measured scheduler steps, argument types and reports.
 
-Both scripts run from ``benchmarks/`` (their own folder is on ``sys.path``) and import this
-module; neither imports the other's measuring code.
+``run.py`` and ``instructions.py`` run from ``benchmarks/`` (their own folder is on ``sys.path``)
+and import this module; neither imports the other's measuring code.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -18,6 +20,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 CAP = 256
+# The measured variants of one step: upstream's ``Scheduler``; the balance class, gate open/frozen.
+VARIANTS = ("upstream", "on-open", "on-frozen")
+WORKLOADS = ("admission", "decode")
 
 
 def scheduler_configs(dp_size: int):
@@ -35,8 +40,9 @@ def scheduler_configs(dp_size: int):
     )
 
 
-def prepared_scheduler(cls, vllm_config, workload: str, frozen: bool):
-    """A scheduler one ``schedule()`` away from the measured step."""
+def prepared_scheduler(variant: str, configs, workload: str):
+    """``variant``'s scheduler on ``scheduler_configs(dp)``, one ``schedule()`` away from the
+    measured step of ``workload``."""
     from factories import (
         add_requests,
         make_requests,
@@ -44,8 +50,14 @@ def prepared_scheduler(cls, vllm_config, workload: str, frozen: bool):
         run_to_completion,
         step,
     )
+    from vllm.v1.core.sched.scheduler import Scheduler
 
-    scheduler = make_scheduler(cls, vllm_config)
+    import vllm_balance
+
+    if variant == "upstream":
+        scheduler = make_scheduler(Scheduler, configs[0])
+    else:
+        scheduler = make_scheduler(vllm_balance.BalanceScheduler, configs[1])
     # Warm-up: one request through a full life cycle, so first-call costs (lazy state in the
     # KV cache manager, code paths never run) are not charged to the measured step.
     add_requests(scheduler, make_requests(1, prompt_len=32, max_tokens=2, prefix="warm"))
@@ -55,7 +67,7 @@ def prepared_scheduler(cls, vllm_config, workload: str, frozen: bool):
     else:
         add_requests(scheduler, make_requests(CAP, prompt_len=32, max_tokens=64))
         step(scheduler)  # admit and prefill all 256; the measured step decodes them
-    if frozen:
+    if variant == "on-frozen":
         scheduler.balance_queue[-1].fill_(CAP)  # another rank is at the cap
     return scheduler
 
@@ -86,3 +98,25 @@ def emit(results: dict, report: str, json_path: str | None) -> None:
     print(report)
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1) + "\n")
+
+
+def int_list(minimum: int) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated integers, each at least ``minimum``."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
+        return values
+
+    return parse
+
+
+def markdown_table(header: str, rows: Iterable, row: str | None = None) -> list[str]:
+    """A Markdown table's lines: ``header`` ("a | b"), its rule, one line per entry of ``rows``:
+    a dict formatted by the ``str.format`` template ``row``, or (no ``row``) a list of cells."""
+    cells = [row.format(**r) if row else " | ".join(map(str, r)) for r in rows]
+    return [f"| {header} |", "|" + "---|" * (header.count("|") + 1)] + [f"| {c} |" for c in cells]
