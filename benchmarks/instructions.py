@@ -9,11 +9,9 @@ scale (its count moves by several percent from call to call: gloo's worker threa
     python benchmarks/instructions.py                  # DP 8/64/256, 3 repetitions
     python benchmarks/run.py --parts instructions      # the same, as a part of the benchmarks
 
-Why instructions: the issue's bound is ``<= 1.02x`` upstream's ``schedule()`` with the gate open,
-but wall-clock ratios of a 12 ms step scatter by +-10% on a shared machine (docs/results.md): a
-2% bound can be neither shown nor refuted that way. The instructions one ``schedule()`` executes
-are a deterministic function of the scheduler's state (``PYTHONHASHSEED`` fixed, one thread), so
-their ratio is exact to the last instruction and repeats run to run.
+Why instructions, not time (the ``<= 1.02x`` bound of issue 3 is lost in wall-clock noise; they are
+a deterministic function of the scheduler's state, ``PYTHONHASHSEED`` fixed, one thread): see
+docs/results.md "``schedule()`` overhead in instructions".
 
 How: a child process runs under ``valgrind --tool=callgrind`` with collection off, builds the
 same prepared schedulers as ``run.py`` (fresh ones per measurement: ``schedule()`` mutates them)
@@ -158,10 +156,6 @@ def measure(dp_sizes: list[int], reps: int) -> dict:
         out_file = Path(tmp) / "callgrind.out"
         labels_file = Path(tmp) / "labels.json"
         env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
-        # The child imports the prepared steps (steps.py) from this folder.
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])
-        )
         command = [
             valgrind,
             "--tool=callgrind",
@@ -285,9 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps: expected a positive integer, got {args.reps}")
-    dp_sizes = args.dp
-    if args.gather_only:
-        dp_sizes = []
+    dp_sizes = [] if args.gather_only else args.dp
     if args.child:
         child(dp_sizes, args.reps, args.child)
         return 0

@@ -195,6 +195,15 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
     dist.destroy_process_group()
 
 
+# Each ratio of a gather row: (numerator, denominator), of the ops' medians.
+GATHER_RATIOS = {
+    "gather_vs_all_reduce": ("balance_gather", "all_reduce"),
+    "gather_vs_all_gather": ("balance_gather", "all_gather"),
+    "watched_vs_unwatched": ("balance_gather", "unwatched_gather"),
+    "reduce_vs_gather": ("balance_reduce", "balance_gather"),
+}
+
+
 def bench_gather(iters: int, dp_sizes: list[int]) -> list[dict]:
     import multiprocessing as mp
 
@@ -216,25 +225,10 @@ def bench_gather(iters: int, dp_sizes: list[int]) -> list[dict]:
             p.join(timeout=120)
         medians = {name: q[1] for name, q in quartiles.items()}
         rows.append(
-            {
-                "dp": world,
-                "load_average": round(os.getloadavg()[0], 1),
-                "balance_gather_us": round(medians["balance_gather"], 1),
-                "all_reduce_us": round(medians["all_reduce"], 1),
-                "all_gather_us": round(medians["all_gather"], 1),
-                "gather_vs_all_reduce": round(medians["balance_gather"] / medians["all_reduce"], 3),
-                "gather_vs_all_gather": round(medians["balance_gather"] / medians["all_gather"], 3),
-                "unwatched_gather_us": round(medians["unwatched_gather"], 1),
-                "watched_vs_unwatched": round(
-                    medians["balance_gather"] / medians["unwatched_gather"], 3
-                ),
-                "balance_reduce_us": round(medians["balance_reduce"], 1),
-                "reduce_running_us": round(medians["reduce_running"], 1),
-                "reduce_vs_gather": round(medians["balance_reduce"] / medians["balance_gather"], 3),
-                "quartiles_us": {
-                    name: [round(x, 1) for x in q] for name, q in sorted(quartiles.items())
-                },
-            }
+            {"dp": world, "load_average": round(os.getloadavg()[0], 1)}
+            | {f"{name}_us": round(median, 1) for name, median in medians.items()}
+            | {key: round(medians[a] / medians[b], 3) for key, (a, b) in GATHER_RATIOS.items()}
+            | {"quartiles_us": {n: [round(x, 1) for x in q] for n, q in sorted(quartiles.items())}}
         )
         print(f"  gather DP={world} done", file=sys.stderr)
     return rows

@@ -30,6 +30,8 @@ SIM_METRICS = {
     "ttft_p99_ms": "ttft_p99_ms",
     "tpot_p50_ms": "tpot_p50_ms",
 }
+# What each run takes from the client's result file as it is (its lengths drive the simulator).
+CLIENT_KEYS = "completed num_prompts input_lens output_lens start_times"
 # What summary.json keeps of each run (the rest of runs.json is the raw material).
 RUN_KEYS = "policy rate repeat load completed num_prompts result ttft_phases_ms balance_stats"
 # A busy-loop iteration whose time outside _process_engine_step() exceeds this waited for input
@@ -205,10 +207,7 @@ def measured(out: Path, runs: list[dict]) -> dict:
     for run in runs:
         result = json.loads((out / run["file"]).read_text())
         run["result"] = {ours: result[theirs] for theirs, ours in METRICS.items()}
-        run["completed"] = result["completed"]
-        run["num_prompts"] = result["num_prompts"]
-        run["input_lens"], run["output_lens"] = result["input_lens"], result["output_lens"]
-        run["start_times"] = result["start_times"]
+        run.update({k: result[k] for k in CLIENT_KEYS.split()})
         run["ttft_phases_ms"] = ttft_phases(run, result)
         cell = table.setdefault(run["policy"], {}).setdefault(f"{run['rate']:g}", {})
         phases = run["ttft_phases_ms"]
@@ -222,8 +221,9 @@ def measured(out: Path, runs: list[dict]) -> dict:
         for cell in cells.values():
             for stats in cell.values():
                 values = stats["values"]
-                stats.update(mean=round(statistics.fmean(values), 2), min=min(values))
-                stats["max"] = max(values)
+                stats.update(
+                    mean=round(statistics.fmean(values), 2), min=min(values), max=max(values)
+                )
     return table
 
 
