@@ -91,16 +91,14 @@ def bench_schedule(reps: int) -> dict:
     times = interleaved_timings(groups, reps)
     rows = []
     for dp, workload in groups:
-        base = _median_ms(times[((dp, workload), "upstream")])
+        ms = {variant: _median_ms(times[((dp, workload), variant)]) for variant in steps.VARIANTS}
         rows.append(
             {
                 "dp": dp,
                 "workload": workload,
-                "upstream_ms": round(base, 4),
-                "on_open_ratio": round(_median_ms(times[((dp, workload), "on-open")]) / base, 4),
-                "on_frozen_ratio": round(
-                    _median_ms(times[((dp, workload), "on-frozen")]) / base, 4
-                ),
+                "upstream_ms": round(ms["upstream"], 4),
+                "on_open_ratio": round(ms["on-open"] / ms["upstream"], 4),
+                "on_frozen_ratio": round(ms["on-frozen"] / ms["upstream"], 4),
             }
         )
     return {
