@@ -1,7 +1,7 @@
 """Instructions executed by one ``schedule()``, balance on vs upstream, counted by callgrind.
 
 Also counted (issue 24): the watchdog's cost on the engine's path, as one ``balance_gather()`` vs
-``run.unwatched_gather()`` (the same gather without the watchdog's lines). Both run with the
+``steps.unwatched_gather()`` (the same gather without the watchdog's lines). Both run with the
 collective replaced by a Python no-op, so the two counts are exact and differ by the watchdog's
 lines alone; a real ``balance_gather()`` on a one-rank gloo group is counted beside them as the
 scale (its count moves by several percent from call to call: gloo's worker thread waits and wakes).
