@@ -397,9 +397,9 @@ def agreement_markdown(rows: dict) -> str:
                 f"{sign['measured_delta']:+.0f}{noise} / {sign['simulated_delta']:+.0f}"
             )
             signs[-1].append("yes" if sign["agree"] else "**no**")
-    keys = ("tok_s", "ttft_p50_ms", "ttft_p50_plus_front_end", "engine_ttft_mean")
+    columns = ("tok_s", "ttft_p50_ms", "ttft_p50_plus_front_end", "engine_ttft_mean")
     ratios = [
-        [policy, rate, *("-" if ratio.get(k) is None else f"{ratio[k]:.2f}" for k in keys)]
+        [policy, rate, *("-" if ratio.get(k) is None else f"{ratio[k]:.2f}" for k in columns)]
         for policy, cells in rows["ratio"].items()
         for rate, ratio in by_rate(cells)
     ]

@@ -1,7 +1,8 @@
 """What the benchmark scripts share: the measured scheduler steps, argument types and reports.
 
 ``run.py`` and ``instructions.py`` run from ``benchmarks/`` (their own folder is on ``sys.path``)
-and import this module; neither imports the other's measuring code.
+and import this module; neither imports the other's measuring code. ``serve_report.py`` imports
+it as ``benchmarks.steps`` for its tables.
 """
 
 from __future__ import annotations
