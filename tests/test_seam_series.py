@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
-from make_series import MESSAGE, check_series
+from make_series import authored, check_series
 from seam_patch import (
     SCHEDULER_PATH,
     SEAM_METHOD,
@@ -93,10 +93,25 @@ def test_the_installed_release_regenerates_byte_for_byte():
 
 
 def test_check_catches_a_series_that_is_not_what_the_generator_gives(monkeypatch):
-    """Negative control: a generator change that the stored series lack is reported."""
+    """Negative control: a change to the authored message (the newest series') that the stored
+    series lack is reported."""
     import make_series
 
-    monkeypatch.setattr(make_series, "MESSAGE", MESSAGE.replace("No behaviour", "No behavior"))
+    message, test = authored()
+    changed = message.replace("The case at hand", "The case in point")
+    assert changed != message
+    monkeypatch.setattr(make_series, "authored", lambda: (changed, test))
+    assert check_series(installed_version(), unpatched_installed_source()) is not None
+
+
+def test_check_catches_a_test_case_the_stored_series_lack(monkeypatch):
+    """Negative control: the authored unit test is in every series (less the cases a release's
+    default does not read), so a case added to it shows up in the check of every release."""
+    import make_series
+
+    message, test = authored()
+    added = "\n\ndef test_x():\n    pass\n"
+    monkeypatch.setattr(make_series, "authored", lambda: (message, test + added))
     assert check_series(installed_version(), unpatched_installed_source()) is not None
 
 

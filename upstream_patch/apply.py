@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -38,7 +37,9 @@ from seam_patch import (  # noqa: E402
     PatchError,
     Series,
     all_series,
+    commit_message,
     first_line,
+    git,
     git_apply,
     installed_version,
     installed_vllm_root,
@@ -97,15 +98,6 @@ def apply_installed(root: Path | None, check: bool, revert: bool) -> str:
 # ----------------------------------------------------------------------------------- git mode
 
 
-def _git(repo: Path, *args: str, env: dict | None = None, check: bool = True, stdin: str = ""):
-    result = subprocess.run(
-        ["git", "-C", str(repo), *args], capture_output=True, text=True, env=env, input=stdin
-    )
-    if check and result.returncode != 0:
-        raise ApplyError(f"git {' '.join(args)}: {first_line(result.stderr or result.stdout)}")
-    return result
-
-
 def _series_applies(repo: Path, ref: str, series: Series) -> str | None:
     """None if the whole series applies to ``ref`` in order; else git's first error line.
 
@@ -113,28 +105,23 @@ def _series_applies(repo: Path, ref: str, series: Series) -> str | None:
     """
     with tempfile.TemporaryDirectory(prefix="vllm-seam-index-") as tmp:
         env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp) / "index"))
-        _git(repo, "read-tree", ref, env=env)
+        git(repo, "read-tree", ref, env=env)
         for patch in series.patches:
-            result = _git(repo, "apply", "--cached", str(patch), env=env, check=False)
+            result = git(repo, "apply", "--cached", str(patch), env=env, check=False)
             if result.returncode != 0:
                 return f"{patch.name}: {first_line(result.stderr)}"
     return None
 
 
 def _has_seam(repo: Path, rev: str) -> bool:
-    shown = _git(repo, "show", f"{rev}:{SCHEDULER_PATH}", check=False)
+    shown = git(repo, "show", f"{rev}:{SCHEDULER_PATH}", check=False)
     return shown.returncode == 0 and f"def {SEAM_METHOD}(" in shown.stdout
 
 
-def commit_message(patch: Path) -> str:
-    """The message a patch file starts with (``make_series.py`` writes it above ``---``)."""
-    return patch.read_text(encoding="utf-8").split("\n---\n", 1)[0] + "\n"
-
-
 def build_branch(repo: Path, ref: str, branch: str | None, signoff: bool = False) -> str:
-    if _git(repo, "rev-parse", "--git-dir", check=False).returncode != 0:
+    if git(repo, "rev-parse", "--git-dir", check=False).returncode != 0:
         raise ApplyError(f"{repo} is not a git checkout")
-    if _git(repo, "rev-parse", "--verify", "-q", f"{ref}^{{commit}}", check=False).returncode:
+    if git(repo, "rev-parse", "--verify", "-q", f"{ref}^{{commit}}", check=False).returncode:
         raise ApplyError(f"{repo}: no commit {ref!r}")
     if _has_seam(repo, ref):
         return f"{repo}: {ref} already defines {SEAM_METHOD}; nothing to do"
@@ -154,31 +141,31 @@ def build_branch(repo: Path, ref: str, branch: str | None, signoff: bool = False
 
     branch = branch or f"admission-seam-{series.ref}"
     if (
-        _git(repo, "rev-parse", "--verify", "-q", f"refs/heads/{branch}", check=False).returncode
+        git(repo, "rev-parse", "--verify", "-q", f"refs/heads/{branch}", check=False).returncode
         == 0
     ):
         if _has_seam(repo, branch):
             return f"{repo}: branch {branch} already carries the seam; nothing to do"
         raise ApplyError(f"{repo}: branch {branch} exists without the seam; pass --branch")
-    if _git(repo, "status", "--porcelain", "--untracked-files=no").stdout.strip():
+    if git(repo, "status", "--porcelain", "--untracked-files=no").stdout.strip():
         raise ApplyError(f"{repo}: the checkout has uncommitted changes; commit or stash them")
 
-    original = _git(repo, "rev-parse", "--abbrev-ref", "HEAD").stdout.strip()
+    original = git(repo, "rev-parse", "--abbrev-ref", "HEAD").stdout.strip()
     if original == "HEAD":
-        original = _git(repo, "rev-parse", "HEAD").stdout.strip()
-    _git(repo, "checkout", "-q", "-b", branch, ref)
+        original = git(repo, "rev-parse", "HEAD").stdout.strip()
+    git(repo, "checkout", "-q", "-b", branch, ref)
     try:
         for patch in series.patches:
-            _git(repo, "apply", "--index", str(patch))
+            git(repo, "apply", "--index", str(patch))
             # Author and committer come from the user's git configuration; none is invented.
             signed = ["--signoff"] if signoff else []
-            _git(repo, "commit", "-q", *signed, "-F", "-", stdin=commit_message(patch))
-    except ApplyError as exc:
+            git(repo, "commit", "-q", *signed, "-F", "-", stdin=commit_message(patch))
+    except PatchError as exc:
         # The series was checked above, so this is git refusing to commit (no user.name or
         # user.email configured, a hook): leave no half-built branch behind.
-        _git(repo, "reset", "-q", "--hard", check=False)
-        _git(repo, "checkout", "-q", original, check=False)
-        _git(repo, "branch", "-D", branch, check=False)
+        git(repo, "reset", "-q", "--hard", check=False)
+        git(repo, "checkout", "-q", original, check=False)
+        git(repo, "branch", "-D", branch, check=False)
         raise ApplyError(f"{repo}: {exc}; branch removed") from exc
     count = len(series.patches)
     return f"{repo}: branch {branch} = {ref} + series {series.ref} ({count} commit(s))"

@@ -5,9 +5,11 @@
 
 For each version: take ``vllm/v1/core/sched/scheduler.py`` from that release's wheel, apply the
 seam (below), add the unit test, and write the commit message followed by the diff (``git diff
---patch-with-stat --full-index``) to ``upstream_patch/v<version>/seam.patch``. No author, date or
-``Signed-off-by`` is written: ``apply.py git`` commits with the submitter's own git identity, and
-the submitter signs off. Regenerating an unchanged release reproduces the same bytes.
+--patch-with-stat --full-index``) to ``upstream_patch/v<version>/seam.patch``. The message and the
+unit test are written once, in the newest stored series; an older release gets them with its own
+note on the condition and without the cases its default does not read (``authored``). No author,
+date or ``Signed-off-by`` is written: ``apply.py git`` commits with the submitter's own git
+identity, and the submitter signs off. Regenerating an unchanged release reproduces the same bytes.
 
 A release's series is stored only where it differs: if the nearest newer stored series applies to
 this release's ``scheduler.py`` and gives byte for byte what the generator gives, that series
@@ -31,7 +33,6 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -48,6 +49,9 @@ from seam_patch import (  # noqa: E402
     Series,
     all_series,
     apply_series,
+    commit_message,
+    git,
+    seam_test_text,
     serving_series,
     split_at_seam_method,
     wheel_for,
@@ -55,30 +59,15 @@ from seam_patch import (  # noqa: E402
 )
 
 PATCH_NAME = "seam.patch"
-
-MESSAGE = """\
-[Core] Make the WAITING admission stop condition an overridable method
-
-Scheduler.schedule() stops taking WAITING requests when the request slots
-are full. Move that condition into Scheduler.{method}(),
-which returns exactly what the inline check computed, and call it from the
-same place in the loop. No behaviour change.{note}
-
-A scheduler subclass can then hold back admission for a step by overriding
-one method instead of copying schedule() (more than 700 lines, which go
-stale with every release). The case at hand is data-parallel balance for MoE
-models (RFC #29722): every DP rank stops admitting while any rank's batch is
-full, e.g.
-
-    class BalanceScheduler(AsyncScheduler):
-        def {method}(self) -> bool:
-            return super().{method}() or self.admission_frozen
-
-The leading underscore keeps the method private: like Scheduler's other
-`_` methods, it carries no stability promise to subclasses.
-
-The new tests override the method on Scheduler and on AsyncScheduler.
-"""
+# The sentence of the authored message that a release's note on its condition follows.
+NOTE_AFTER = "No behaviour change."
+# Test cases a release gets only where its default reads a field: a word only that case uses ->
+# the field.
+STREAMING_CASE = "resumable"
+RELEASE_CASES = {
+    STREAMING_CASE: "num_waiting_for_streaming_input",
+    "max_num_active_seqs": "max_num_active_reqs",
+}
 
 EQ_NOTE = """
 
@@ -102,145 +91,6 @@ METHOD = '''\
 {pre}        return {cond}
 
 '''
-
-TEST_HEAD = '''\
-# SPDX-License-Identifier: Apache-2.0
-# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Scheduler.{method}: the WAITING admission override point."""
-
-import pytest
-
-from vllm.v1.outputs import ModelRunnerOutput
-{request_status}
-from .utils import create_requests, create_scheduler
-
-pytestmark = pytest.mark.cpu_test
-
-
-def _step(scheduler):
-    """schedule(), then one sampled token for each scheduled request."""
-    output = scheduler.schedule()
-    req_ids = list(output.num_scheduled_tokens)
-    model_output = ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={{req_id: i for i, req_id in enumerate(req_ids)}},
-        sampled_token_ids=[[0] for _ in req_ids],
-    )
-    scheduler.update_from_output(output, model_output)
-    return output
-
-
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_override_holds_back_waiting_requests(monkeypatch, async_scheduling):
-    scheduler = create_scheduler(async_scheduling=async_scheduling)
-    hold = True
-    monkeypatch.setattr(scheduler, "{method}", lambda: hold)
-    for request in create_requests(num_requests=3):
-        scheduler.add_request(request)
-
-    output = _step(scheduler)
-
-    assert output.scheduled_new_reqs == []
-    assert output.total_num_scheduled_tokens == 0
-    assert len(scheduler.waiting) == 3
-    assert not scheduler.running
-
-    # Held back, not dropped: they are admitted once the override lets go.
-    hold = False
-    assert len(_step(scheduler).scheduled_new_reqs) == 3
-
-
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_override_is_checked_before_each_admission(monkeypatch, async_scheduling):
-    scheduler = create_scheduler(async_scheduling=async_scheduling)
-    default = scheduler.{method}
-    # Admit only into an empty batch, on top of the default limit.
-    monkeypatch.setattr(
-        scheduler,
-        "{method}",
-        lambda: len(scheduler.running) >= 1 or default(),
-    )
-    requests = create_requests(num_requests=3)
-    for request in requests:
-        scheduler.add_request(request)
-
-    output = _step(scheduler)
-    assert [r.req_id for r in output.scheduled_new_reqs] == [requests[0].request_id]
-
-    # Admission stays stopped; the running request is still scheduled.
-    output = _step(scheduler)
-    assert output.scheduled_new_reqs == []
-    assert list(output.num_scheduled_tokens) == [requests[0].request_id]
-'''
-
-TEST_STREAMING = """
-
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_default_counts_paused_streaming_sessions(async_scheduling):
-    scheduler = create_scheduler(max_num_seqs=2, async_scheduling=async_scheduling)
-    (session,) = create_requests(num_requests=1, max_tokens=1, req_ids=["session"])
-    session.resumable = True
-    scheduler.add_request(session)
-    _step(scheduler)  # its one output token ends the session's first turn
-    assert session.status == RequestStatus.WAITING_FOR_STREAMING_REQ
-    assert not scheduler.running
-    for request in create_requests(num_requests=3):
-        scheduler.add_request(request)
-
-    output = scheduler.schedule()
-
-    # The paused session keeps its slot: one of the two is left to admit.
-    assert len(output.scheduled_new_reqs) == 1
-    assert scheduler.{method}()
-
-
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_override_holds_back_a_streaming_continuation(monkeypatch, async_scheduling):
-    # The session keeps its KV blocks between turns: the override holds back
-    # waiting requests that already hold KV, not only new ones.
-    scheduler = create_scheduler(async_scheduling=async_scheduling)
-    (session,) = create_requests(num_requests=1, max_tokens=1, req_ids=["session"])
-    session.resumable = True
-    scheduler.add_request(session)
-    _step(scheduler)
-    assert session.status == RequestStatus.WAITING_FOR_STREAMING_REQ
-    hold = True
-    monkeypatch.setattr(scheduler, "{method}", lambda: hold)
-    (next_turn,) = create_requests(num_requests=1, max_tokens=1, req_ids=["session"])
-    next_turn.resumable = True
-    scheduler.add_request(next_turn)
-
-    assert _step(scheduler).total_num_scheduled_tokens == 0
-    assert session.num_computed_tokens > 0
-
-    hold = False
-    assert "session" in _step(scheduler).num_scheduled_tokens
-"""
-
-TEST_ACTIVE_SEQS = """
-
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_override_composes_with_max_num_active_seqs(monkeypatch, async_scheduling):
-    # The default reads the active-request limit, not max_num_seqs: an
-    # override that defers to it admits up to max_num_active_seqs.
-    scheduler = create_scheduler(
-        max_num_seqs=8, max_num_active_seqs=2, async_scheduling=async_scheduling
-    )
-    default = scheduler.{method}
-    hold = True
-    monkeypatch.setattr(
-        scheduler, "{method}", lambda: hold or default()
-    )
-    for request in create_requests(num_requests=4):
-        scheduler.add_request(request)
-
-    assert _step(scheduler).scheduled_new_reqs == []
-
-    hold = False
-    assert len(_step(scheduler).scheduled_new_reqs) == 2
-    assert len(scheduler.running) < scheduler.max_num_running_reqs
-    assert default()
-"""
 
 _SLOT_CHECK = re.compile(r"^(?P<indent>\s*)if (?P<cond>.*\bself\.max_num_\w+_reqs\b.*):\s*$")
 _ASSIGNMENT = re.compile(r"^\s*(?P<names>[\w, ]+?)\s*=[^=]")
@@ -309,44 +159,56 @@ def add_seam(source: str) -> tuple[str, str]:
     return "".join(new_lines), note
 
 
-def unit_test(seamed_source: str) -> str:
-    """The test file for this release: the paused-streaming and the max_num_active_seqs cases
-    only where the default reads them."""
+def authored() -> tuple[str, str]:
+    """The commit message and the unit test file, as the newest stored series has them.
+
+    That series is where they are written: edit its message or its test lines there, then run
+    this script on every release (the other series, and the newest's diffstat and blob ids,
+    follow).
+    """
+    newest = all_series()[-1]
+    return commit_message(newest.patches[0]), seam_test_text(newest)
+
+
+def release_message(message: str, note: str) -> str:
+    """``message`` with this release's note on the condition after its no-change sentence."""
+    if note and NOTE_AFTER not in message:
+        raise SeamError(f"the newest series' message lost {NOTE_AFTER!r}; the note goes after it")
+    return message.replace(NOTE_AFTER, NOTE_AFTER + note, 1)
+
+
+def unit_test(seamed_source: str, authored_test: str) -> str:
+    """The test file for this release: the authored one, less the paused-streaming and the
+    max_num_active_seqs cases where the default does not read them. A case is one top-level
+    block (blocks are separated by two blank lines) and is known by a word only it uses."""
     _, method, _ = split_at_seam_method(seamed_source)
-    text = TEST_HEAD
-    streaming = "num_waiting_for_streaming_input" in method
-    if streaming:
-        text += TEST_STREAMING
-    if "max_num_active_reqs" in method:
-        text += TEST_ACTIVE_SEQS
-    request_status = "from vllm.v1.request import RequestStatus\n" if streaming else ""
-    return text.format(method=SEAM_METHOD, request_status=request_status)
-
-
-def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", *args], cwd=repo, check=True, capture_output=True, text=True
-    ).stdout
+    dropped = [case for case, read in RELEASE_CASES.items() if read not in method]
+    blocks = authored_test.rstrip("\n").split("\n\n\n")
+    text = "\n\n\n".join(b for b in blocks if not any(case in b for case in dropped)) + "\n"
+    if STREAMING_CASE in dropped:
+        text = text.replace("from vllm.v1.request import RequestStatus\n", "")
+    return text
 
 
 def series_text(source: str) -> str:
     """The patch for a release whose ``scheduler.py`` is ``source``: message, then the diff."""
     seamed, note = add_seam(source)
+    message, test_text = authored()
     with tempfile.TemporaryDirectory(prefix="vllm-seam-series-") as tmp:
         repo = Path(tmp)
-        _git(repo, "init", "-q")
+        git(repo, "init", "-q")
         target = repo / SCHEDULER_PATH
         target.parent.mkdir(parents=True)
         target.write_text(source, encoding="utf-8")
-        _git(repo, "add", "-A")
-        before = _git(repo, "write-tree").strip()  # no commit, so no identity is needed
+        git(repo, "add", "-A")
+        before = git(repo, "write-tree").stdout.strip()  # no commit, so no identity is needed
         target.write_text(seamed, encoding="utf-8")
         test = repo / SEAM_TEST_PATH
         test.parent.mkdir(parents=True)
-        test.write_text(unit_test(seamed), encoding="utf-8")
-        _git(repo, "add", "-A")
-        diff = _git(repo, "diff", "--cached", "--patch-with-stat", "--full-index", before)
-    return MESSAGE.format(method=SEAM_METHOD, note=note) + "---\n" + diff
+        test.write_text(unit_test(seamed, test_text), encoding="utf-8")
+        git(repo, "add", "-A")
+        diff = git(repo, "diff", "--cached", "--patch-with-stat", "--full-index", before).stdout
+    return release_message(message, note) + "---\n" + diff
 
 
 def _results(source: str, patches: list[Path] | tuple[Path, ...]) -> dict[str, str]:

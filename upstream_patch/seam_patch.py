@@ -92,6 +92,23 @@ def first_line(text: str) -> str:
     return lines[0] if lines else "(no output)"
 
 
+def git(
+    repo: Path, *args: str, env: dict | None = None, check: bool = True, stdin: str = ""
+) -> subprocess.CompletedProcess:
+    """``git -C repo ARGS``; with ``check``, a failure raises PatchError with git's first line."""
+    result = subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, env=env, input=stdin
+    )
+    if check and result.returncode != 0:
+        raise PatchError(f"git {' '.join(args)}: {first_line(result.stderr or result.stdout)}")
+    return result
+
+
+def commit_message(patch: Path) -> str:
+    """The message a patch file starts with (``make_series.py`` writes it above ``---``)."""
+    return patch.read_text(encoding="utf-8").split("\n---\n", 1)[0] + "\n"
+
+
 def apply_series(
     files: dict[str, str], series: Series, reverse: bool = False, include: str | None = None
 ) -> dict[str, str]:
