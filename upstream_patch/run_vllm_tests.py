@@ -59,7 +59,6 @@ sys.path.insert(0, str(TESTS_DIR))
 from junit import junit_outcomes, tally  # noqa: E402
 from seam_patch import (  # noqa: E402
     SCHEDULER_PATH,
-    SEAM_METHOD,
     SEAM_TEST_PATH,
     PatchError,
     installed_version,
@@ -81,118 +80,8 @@ SEAM_TEST = SEAM_TEST_PATH
 SEAM_ENTRIES = (ENTRY_TEST, ASYNC_TEST)
 BALANCE_ENTRIES = (ENTRY_TEST,)
 
-CONFTEST = '''\
-"""Written by vllm-balance-scheduling's upstream_patch/run_vllm_tests.py; not vLLM's conftest.
-
-Offline, CPU-only stand-ins for what vLLM's own conftest and CI provide.
-"""
-import importlib.util
-import json
-import os
-import shutil
-import sys
-
-import pytest
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-_SCHEDULER = "vllm.v1.core.sched.scheduler"
-_override = os.environ.get("VLLM_BALANCE_SCHEDULER_FILE")
-if _override:
-    # Must happen before any test module imports the scheduler (conftest is imported first).
-    assert _SCHEDULER not in sys.modules, "scheduler imported before the conftest"
-    import vllm.v1.core.sched as _package
-
-    _spec = importlib.util.spec_from_file_location(_SCHEDULER, _override)
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules[_SCHEDULER] = _module
-    _spec.loader.exec_module(_module)
-    _package.scheduler = _module
-
-from vllm.config import DeviceConfig, ModelConfig, VllmConfig  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-
-# This repository's test factories (tests/factories.py); vLLM's own tests/ is the `tests` package.
-sys.path.append(os.environ["VLLM_BALANCE_TESTS_DIR"])
-from factories import tiny_model_dir  # noqa: E402
-
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-
-_BALANCE_CLASSES = {}
-if os.environ.get("VLLM_BALANCE_SIDE") == "balance":
-    import vllm_balance
-    import vllm_balance.shim.scheduler as _shim_scheduler
-
-    # Balance on for every balance scheduler these tests build (their configs do not ask for
-    # it); one DP rank whose gathered count is 0 keeps the gate open.
-    _shim_scheduler.balance_enabled = lambda vllm_config: True
-    _BALANCE_CLASSES = {
-        Scheduler: vllm_balance.BalanceScheduler,
-        AsyncScheduler: vllm_balance.BalanceAsyncScheduler,
-    }
-
-    def _balance_new(cls, *args, **kwargs):
-        # Scheduler(...) and AsyncScheduler(...) build ours (a subclass, so Python then runs its
-        # __init__), wherever the tests call them; the names stay upstream's classes, so the
-        # tests that check vLLM's own class selection (get_scheduler_cls() is Scheduler) hold.
-        return object.__new__(_BALANCE_CLASSES.get(cls, cls))
-
-    Scheduler.__new__ = _balance_new
-
-with open(os.environ["VLLM_BALANCE_SIDE_FILE"], "w") as _out:
-    json.dump(
-        {"scheduler_file": sys.modules[_SCHEDULER].__file__,
-         "has_seam": hasattr(Scheduler, "SEAM_METHOD"),
-         "balance_classes": sorted(
-             f"{cls.__module__}.{cls.__qualname__}" for cls in _BALANCE_CLASSES.values()
-         )},
-        _out,
-    )
-
-# Hub models the scheduler tests use for their config only; a tiny local config stands in.
-_LOCAL_MODELS = {"facebook/opt-125m"}
-
-
-def _model_config(*args, **kwargs):
-    model, args = (args[0], args[1:]) if args else (kwargs.pop("model"), args)
-    if model in _LOCAL_MODELS:
-        # The tiny config has no tokenizer; the scheduler never tokenizes.
-        model = tiny_model_dir(moe=False)
-        kwargs["skip_tokenizer_init"] = True
-    elif not os.path.isdir(str(model)):
-        pytest.skip(f"needs hub model {model} (offline run)")
-    return ModelConfig(model, *args, **kwargs)
-
-
-def _vllm_config(*args, **kwargs):
-    kwargs.setdefault("device_config", DeviceConfig(device="cpu"))
-    return VllmConfig(*args, **kwargs)
-
-
-@pytest.fixture(autouse=True)
-def _offline_cpu_configs(request, monkeypatch):
-    for module in list(sys.modules.values()):
-        name = getattr(module, "__name__", "")
-        if name == "tests" or name.startswith("tests."):
-            if getattr(module, "ModelConfig", None) is ModelConfig:
-                monkeypatch.setattr(module, "ModelConfig", _model_config)
-            if getattr(module, "VllmConfig", None) is VllmConfig:
-                monkeypatch.setattr(module, "VllmConfig", _vllm_config)
-
-
-@pytest.fixture
-def caplog_vllm(caplog, monkeypatch):
-    # Stands in for vLLM's fixture of that name: vLLM's log records reach caplog, at INFO.
-    import logging
-
-    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
-    with caplog.at_level(logging.INFO):
-        yield caplog
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "cpu_test: vLLM CI marker")
-'''.replace('"SEAM_METHOD"', repr(SEAM_METHOD))
+# Replaces vLLM's conftest.py files in the extracted tests/ (it is test code: it lives in tests/).
+CONFTEST = TESTS_DIR / "vllm_own_conftest.py"
 
 
 class RunError(RuntimeError):
@@ -396,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     tree = Path(tempfile.mkdtemp(prefix=f"vllm-{version}-own-tests-"))
     entries = BALANCE_ENTRIES if args.balance else (*SEAM_ENTRIES, SEAM_TEST)
     extracted = extract_tests(sdist, version, tree)
-    (tree / "conftest.py").write_text(CONFTEST, encoding="utf-8")
+    shutil.copyfile(CONFTEST, tree / "conftest.py")
     if args.balance:
         sides, problems = balance_sides(tree, args.pytest_args)
     else:
