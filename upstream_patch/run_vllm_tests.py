@@ -49,7 +49,6 @@ import sys
 import tarfile
 import tempfile
 import urllib.request
-import zipfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -66,7 +65,8 @@ from seam_patch import (  # noqa: E402
     match_series,
     scheduler_text,
     seam_test_text,
-    wheel_for,
+    shadowing,
+    unpacked_release,
     wheel_scheduler_source,
 )
 
@@ -134,6 +134,18 @@ def extract_tests(sdist: Path, version: str, into: Path) -> int:
     return len(members)
 
 
+def pytest_child(
+    args: list[str], cwd: Path, env: dict[str, str], junit: Path
+) -> subprocess.CompletedProcess:
+    """``pytest ARGS`` in a child process (``reach.py`` runs its suites so too): output captured,
+    outcomes in the JUnit report ``junit`` (``tests/junit.py`` reads it)."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}",
+         *args],
+        cwd=cwd, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+
+
 def run_side(
     tree: Path,
     name: str,
@@ -154,13 +166,9 @@ def run_side(
     env["VLLM_BALANCE_SIDE"] = name
     if scheduler_file is not None:
         env["VLLM_BALANCE_SCHEDULER_FILE"] = str(scheduler_file)
-    command = [
-        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--rootdir", str(tree),
-        f"--junitxml={junit}", "-o", "junit_family=xunit2", *tests, *pytest_args,
-    ]  # fmt: skip
+    run = pytest_child(["--rootdir", str(tree), *tests, *pytest_args], tree, env, junit)
     log = tree / f"pytest-{name}.log"
-    with open(log, "w") as out:
-        subprocess.run(command, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
+    log.write_text(run.stdout + run.stderr)
     if not junit.exists():
         raise RunError(f"{name}: pytest produced no report; see {log}")
     side = json.loads(side_file.read_text())
@@ -253,26 +261,18 @@ def balance_sides(tree: Path, pytest_args: list[str]) -> tuple[dict, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", type=Path, help="write the result as JSON here")
-    parser.add_argument("--keep", action="store_true", help="keep the extracted tree and logs")
     parser.add_argument(
         "--balance", action="store_true", help="this package's scheduler vs upstream (no seam)"
     )
     parser.add_argument("--release", help="a vLLM release to run on instead of the installed one")
-    parser.add_argument("--wheel-dir", type=Path, default=Path("/tmp/wheels"))
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
 
     if args.release:
         version = args.release
-        args.wheel_dir.mkdir(parents=True, exist_ok=True)
-        wheel = wheel_for(version, args.wheel_dir)
+        wheel, unpacked = unpacked_release(version)
         source = wheel_scheduler_source(wheel)
-        unpacked = Path(tempfile.mkdtemp(prefix=f"vllm-{version}-wheel-"))
-        with zipfile.ZipFile(wheel) as archive:
-            archive.extractall(unpacked)
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(unpacked), os.environ.get("PYTHONPATH")])
-        )
+        os.environ.update(shadowing(unpacked))  # for the pytest children
     else:
         version = installed_version()
         source = (installed_vllm_root() / SCHEDULER_PATH).read_text(encoding="utf-8")
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run_vllm_tests.py: FAIL: {problem}", file=sys.stderr)
     if args.release:
         shutil.rmtree(unpacked, ignore_errors=True)
-    if not problems and not args.keep:
+    if not problems:
         shutil.rmtree(tree, ignore_errors=True)  # on failure the tree and its logs stay
     if problems:
         print(f"FAILED ({len(problems)} problem(s)); logs: {report['logs']}")

@@ -33,6 +33,7 @@ SEAM_METHOD = "_should_stop_admitting_waiting"
 SCHEDULER_PATH = "vllm/v1/core/sched/scheduler.py"
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 SEAM_TEST_PATH = "tests/v1/core/test_scheduler_admission.py"
+WHEEL_DIR = Path("/tmp/wheels")  # release wheels, kept between runs
 
 
 class PatchError(RuntimeError):
@@ -195,18 +196,38 @@ def split_at_seam_method(source: str) -> tuple[str, str, str]:
     return head, f"    def {SEAM_METHOD}({body}\n", f"    def {tail}"
 
 
-def wheel_for(version: str, wheel_dir: Path, package: str = "vllm") -> Path:
-    """The release's wheel in ``wheel_dir``, downloaded (no dependencies) on first use."""
+def wheel_for(version: str, package: str = "vllm") -> Path:
+    """The release's wheel in WHEEL_DIR, downloaded (no dependencies) on first use."""
+    WHEEL_DIR.mkdir(parents=True, exist_ok=True)
     stem = package.replace("-", "_")
-    found = sorted(wheel_dir.glob(f"{stem}-{version}-*.whl"))
+    found = sorted(WHEEL_DIR.glob(f"{stem}-{version}-*.whl"))
     if not found:
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-             "-d", str(wheel_dir), f"{package}=={version}"],
+             "-d", str(WHEEL_DIR), f"{package}=={version}"],
             check=True,
         )  # fmt: skip
-        found = sorted(wheel_dir.glob(f"{stem}-{version}-*.whl"))
+        found = sorted(WHEEL_DIR.glob(f"{stem}-{version}-*.whl"))
     return found[0]
+
+
+def unpacked_release(version: str, parent: Path | None = None) -> tuple[Path, Path]:
+    """The release's wheel, and a new scratch directory (under ``parent``) it is unpacked into.
+
+    First on a child's ``PYTHONPATH`` (``shadowing``), that tree shadows the vLLM of this
+    environment without modifying it: the CPU runtime installed here is shared.
+    """
+    wheel = wheel_for(version)
+    tree = Path(tempfile.mkdtemp(prefix=f"vllm-{version}-", dir=parent))
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(tree)
+    return wheel, tree
+
+
+def shadowing(tree: Path) -> dict[str, str]:
+    """This process's environment with ``tree`` first on ``PYTHONPATH``."""
+    path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path)
 
 
 def wheel_scheduler_source(wheel: Path) -> str:
