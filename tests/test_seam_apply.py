@@ -241,11 +241,11 @@ def test_git_never_half_applies_a_series_that_does_not_fit(vllm_repo, inline_che
     git(vllm_repo, "commit", "-q", "-am", "fork change")
     head = git(vllm_repo, "rev-parse", "HEAD")
 
-    # No series is named after HEAD, so every series is tried, each on a scratch index.
+    # HEAD is no version, so every series is tried on its scheduler.py.
     result = run_apply("git", str(vllm_repo), "--ref", "HEAD")
 
     assert_one_line_error(result)
-    assert "no seam series applies to HEAD" in result.stderr
+    assert "HEAD: no series" in result.stderr
     assert git(vllm_repo, "rev-parse", "HEAD") == head
     assert git(vllm_repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
     assert git(vllm_repo, "branch", "--list", "admission-seam-*") == ""

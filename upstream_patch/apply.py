@@ -3,40 +3,36 @@
     python upstream_patch/apply.py git <vllm-checkout> [--ref REF] [--branch NAME] [--signoff]
     python upstream_patch/apply.py installed [--check] [--revert] [--root SITE_DIR]
 
-``git``: checks that the series for REF applies (``git apply --cached`` on a scratch index: nothing
-in the checkout is touched), then creates a branch at REF and commits each patch of the series with
-its message (``git apply --index`` and ``git commit``). Author and committer are yours, from your
-git configuration: the series carries no identity. ``--signoff`` adds your ``Signed-off-by`` (vLLM
-requires a DCO sign-off; without it, ``git commit --amend -s`` later). The series is the one stored
-under REF's name when there is one (``--ref v0.33.0``), else the first series, newest first, that
-applies to REF.
+``git``: creates a branch at REF and commits each patch of the series with its message (``git
+apply --index`` and ``git commit``). Author and committer are yours, from your git configuration:
+the series carries no identity. ``--signoff`` adds your ``Signed-off-by`` (vLLM requires a DCO
+sign-off; without it, ``git commit --amend -s`` later).
 
 ``installed``: patches the non-test part (``vllm/...``) of the series into the vLLM that this
-interpreter imports, found with importlib without importing it. The series is the first one that
-applies exactly, trying first the one that serves the installed version (its own, or the newer one
-with the same text) and then every other series newest first: matching the version alone would
-refuse a post-release or fork build whose scheduler is unchanged from a release.
+interpreter imports, found with importlib without importing it.
 
-Both modes check everything before changing anything, and either apply the whole series or
-nothing; a series that does not apply fails with one line on stderr and exit status 1. Running
-either mode again on an already-seamed tree says so and exits 0.
+The series, in both modes, is the first one that applies exactly to the ``scheduler.py`` (REF's,
+read with ``git show``, or the installed one), trying first the one that serves the version (REF's
+name, or the installed version: its own series, or the newer one with the same text) and then every
+other series newest first: matching the version alone would refuse a post-release or fork build
+whose scheduler is unchanged from a release. Both modes choose it before changing anything, and
+either apply the whole series or nothing (a branch git could not complete is removed); a series
+that does not apply fails with one line on stderr and exit status 1. Running either mode again on
+an already-seamed tree says so and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from seam_patch import (  # noqa: E402
     SCHEDULER_PATH,
     SEAM_METHOD,
+    Match,
     PatchError,
-    Series,
-    all_series,
     commit_message,
     first_line,
     git,
@@ -45,12 +41,22 @@ from seam_patch import (  # noqa: E402
     installed_vllm_root,
     match_series,
     numstat,
-    series_for_ref,
 )
 
 
 class ApplyError(RuntimeError):
     """One line for the user; the script exits 1."""
+
+
+def fitting_series(source: str, version: str, where: str) -> Match | None:
+    """The series that fits ``scheduler.py`` text ``source`` (``match_series``); None where the
+    text has the seam from upstream or from another patch (nothing to do)."""
+    try:
+        return match_series(source, version)
+    except PatchError as exc:
+        if f"def {SEAM_METHOD}(" in source:
+            return None
+        raise ApplyError(f"{where}: {exc}") from exc
 
 
 # ----------------------------------------------------------------------------- installed mode
@@ -68,13 +74,9 @@ def apply_installed(root: Path | None, check: bool, revert: bool) -> str:
     except OSError as exc:
         raise ApplyError(f"cannot read {path}: {exc.strerror}") from exc
     where = f"vLLM {version or '(version unknown)'} at {root}"
-    try:
-        match = match_series(source, version or None)
-    except PatchError as exc:
-        if f"def {SEAM_METHOD}(" in source:
-            # A vLLM that has the seam from upstream or from another patch: nothing to do.
-            return f"{where} already defines {SEAM_METHOD}; nothing to do"
-        raise ApplyError(f"{where}: {exc}") from exc
+    match = fitting_series(source, version, where)
+    if match is None:
+        return f"{where} already defines {SEAM_METHOD}; nothing to do"
     series = match.series
     if match.already_seamed != revert:
         state = "already applied" if not revert else "not applied"
@@ -98,24 +100,9 @@ def apply_installed(root: Path | None, check: bool, revert: bool) -> str:
 # ----------------------------------------------------------------------------------- git mode
 
 
-def _series_applies(repo: Path, ref: str, series: Series) -> str | None:
-    """None if the whole series applies to ``ref`` in order; else git's first error line.
-
-    Works on a scratch index file, so neither the checkout's index nor its files change.
-    """
-    with tempfile.TemporaryDirectory(prefix="vllm-seam-index-") as tmp:
-        env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp) / "index"))
-        git(repo, "read-tree", ref, env=env)
-        for patch in series.patches:
-            result = git(repo, "apply", "--cached", str(patch), env=env, check=False)
-            if result.returncode != 0:
-                return f"{patch.name}: {first_line(result.stderr)}"
-    return None
-
-
-def _has_seam(repo: Path, rev: str) -> bool:
+def _scheduler_at(repo: Path, rev: str) -> str:
     shown = git(repo, "show", f"{rev}:{SCHEDULER_PATH}", check=False)
-    return shown.returncode == 0 and f"def {SEAM_METHOD}(" in shown.stdout
+    return shown.stdout if shown.returncode == 0 else ""
 
 
 def build_branch(repo: Path, ref: str, branch: str | None, signoff: bool = False) -> str:
@@ -123,28 +110,17 @@ def build_branch(repo: Path, ref: str, branch: str | None, signoff: bool = False
         raise ApplyError(f"{repo} is not a git checkout")
     if git(repo, "rev-parse", "--verify", "-q", f"{ref}^{{commit}}", check=False).returncode:
         raise ApplyError(f"{repo}: no commit {ref!r}")
-    if _has_seam(repo, ref):
+    match = fitting_series(_scheduler_at(repo, ref), ref, f"{repo}: {ref}")
+    if match is None or match.already_seamed:
         return f"{repo}: {ref} already defines {SEAM_METHOD}; nothing to do"
-
-    named = series_for_ref(ref)
-    candidates = [named] if named else all_series()[::-1]
-    errors = []
-    series = None
-    for candidate in candidates:
-        error = _series_applies(repo, ref, candidate)
-        if error is None:
-            series = candidate
-            break
-        errors.append(f"{candidate.ref}: {error}")
-    if series is None:
-        raise ApplyError(f"{repo}: no seam series applies to {ref} ({'; '.join(errors)})")
+    series = match.series
 
     branch = branch or f"admission-seam-{series.ref}"
     if (
         git(repo, "rev-parse", "--verify", "-q", f"refs/heads/{branch}", check=False).returncode
         == 0
     ):
-        if _has_seam(repo, branch):
+        if f"def {SEAM_METHOD}(" in _scheduler_at(repo, branch):
             return f"{repo}: branch {branch} already carries the seam; nothing to do"
         raise ApplyError(f"{repo}: branch {branch} exists without the seam; pass --branch")
     if git(repo, "status", "--porcelain", "--untracked-files=no").stdout.strip():

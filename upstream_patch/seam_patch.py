@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 PATCH_ROOT = Path(__file__).resolve().parent
 SEAM_METHOD = "_should_stop_admitting_waiting"
@@ -63,16 +63,15 @@ def all_series(root: Path = PATCH_ROOT) -> list[Series]:
     return sorted(found, key=lambda s: s.version)
 
 
-def series_for_ref(ref: str, root: Path = PATCH_ROOT) -> Series | None:
-    """The series stored under ``ref``'s name (``0.24.0`` or ``v0.24.0`` names ``v0.24.0/``)."""
-    wanted = {ref, f"v{ref}", ref.removeprefix("v")}
-    return next((s for s in all_series(root) if s.ref in wanted), None)
-
-
 def serving_series(version: str) -> Series | None:
     """The stored series that serves release ``version``: its own, else the nearest newer one
-    (``make_series.py`` stores a release only where its text differs from that one's)."""
-    return next((s for s in all_series() if s.version >= Version(version)), None)
+    (``make_series.py`` stores a release only where its text differs from that one's); None for
+    a name that is no version (a branch, a commit)."""
+    try:
+        wanted = Version(version)
+    except InvalidVersion:
+        return None
+    return next((s for s in all_series() if s.version >= wanted), None)
 
 
 def git_apply(tree: Path, *args: str) -> subprocess.CompletedProcess:
@@ -173,7 +172,7 @@ def match_series(source: str, version: str | None = None) -> Match:
     none fits.
     """
     candidates = all_series()[::-1]
-    serving = serving_series(version) if version else None
+    serving = serving_series(version or "")
     if serving is not None:
         candidates = [serving] + [s for s in candidates if s != serving]
     for series in candidates:
