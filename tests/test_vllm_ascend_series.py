@@ -40,7 +40,7 @@ def test_series_names_its_base_commit_and_nobody_as_author():
         text = patch.read_text()
         header = re.compile(r"^(From[ :]|Date:|Author:|Signed-off-by:)", re.M)
         assert not header.search(text), patch.name
-        assert series.message_of(text).startswith("[Scheduler] "), patch.name
+        assert series.commit_message(patch).startswith("[Scheduler] "), patch.name
 
 
 def test_patched_balance_module_is_small_and_swaps_no_name():
@@ -77,7 +77,7 @@ def test_export_then_apply_gives_back_the_same_commits(tmp_path):
     (source / "rewritten.py").write_text("".join(f"old_{i} = {i}  # before\n" for i in range(30)))
     series.git(source, "add", "-A")
     series.git(source, *identity, "commit", "-qm", "base")
-    base = series.git(source, "rev-parse", "HEAD").strip()
+    base = series.git(source, "rev-parse", "HEAD").stdout.strip()
     series.git(source, "clone", "-q", str(source), str(target))
     (source / "kept.py").write_text((source / "kept.py").read_text().replace("_7 = 7", "_7 = 8"))
     series.git(source, *identity, "commit", "-qam", "[Core] Change one line\n\nWhy.")
@@ -88,8 +88,9 @@ def test_export_then_apply_gives_back_the_same_commits(tmp_path):
     exported = series.export_series(source, base, tmp_path / "series")
     assert [series.split_rewrites(p.read_text())[0] != [] for p in exported] == [False, True]
     series.apply_series(target, identity, exported)
-    assert series.git(target, "rev-parse", "HEAD^{tree}") == series.git(
-        source, "rev-parse", "HEAD^{tree}"
+    assert (
+        series.git(target, "rev-parse", "HEAD^{tree}").stdout
+        == series.git(source, "rev-parse", "HEAD^{tree}").stdout
     )
     again = series.export_series(target, base, tmp_path / "again")
     assert [p.read_bytes() for p in again] == [p.read_bytes() for p in exported]
@@ -98,9 +99,9 @@ def test_export_then_apply_gives_back_the_same_commits(tmp_path):
     series.git(target, "reset", "-q", "--hard", base)
     (target / "rewritten.py").write_text("changed = 0\n")
     series.git(target, *identity, "commit", "-qam", "diverged")
-    with pytest.raises(series.ApplyError, match="rewritten.py is"):
+    with pytest.raises(series.PatchError, match="rewritten.py is"):
         series.apply_series(target, identity, exported)
-    assert series.git(target, "log", "-1", "--format=%s").strip() == "diverged"
+    assert series.git(target, "log", "-1", "--format=%s").stdout.strip() == "diverged"
 
 
 @pytest.fixture(params=ORDERS)

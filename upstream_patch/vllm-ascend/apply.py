@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from series import (  # noqa: E402
     BASE_COMMIT,
     SERIES_DIR,
-    ApplyError,
+    PatchError,
     apply_series,
     export_series,
     git,
@@ -47,7 +47,7 @@ def main() -> None:
             for path in export_series(tree):
                 print(path.relative_to(SERIES_DIR.parent.parent.parent))
             return
-        if git(tree, "rev-parse", "HEAD").strip() != BASE_COMMIT:
+        if git(tree, "rev-parse", "HEAD").stdout.strip() != BASE_COMMIT:
             print(f"note: the series was made for {BASE_COMMIT}; this checkout is elsewhere")
         if args.check:
             with tempfile.TemporaryDirectory() as scratch:
@@ -63,9 +63,9 @@ def main() -> None:
             print(f"the series applies to {tree} ({len(patches())} patches)")
             return
         start = apply_series(tree)
-    except ApplyError as exc:
+    except PatchError as exc:
         raise SystemExit(f"not applied: {exc}") from None
-    author = git(tree, "log", "-1", "--format=%an <%ae>").strip()
+    author = git(tree, "log", "-1", "--format=%an <%ae>").stdout.strip()
     print(f"{len(patches())} commits on {start[:12]}, author {author}.")
     print(f"Sign them off before sending: git rebase --signoff {start[:12]}")
 

@@ -19,11 +19,14 @@ each commit since ``BASE_COMMIT`` back as a series file. Same commits, same byte
 from __future__ import annotations
 
 import re
-import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from seam_patch import PatchError, commit_message, git  # noqa: E402
+
 # vllm-ascend main, fetched 2026-11-30: "[Test] add memcache dsv4-flash weekly case (#14760)".
 BASE_COMMIT = "182b75ea84ff13ece27b57391331ef8935410aea"
 SERIES_DIR = HERE / BASE_COMMIT[:8]
@@ -32,28 +35,12 @@ SEPARATOR = "\n---\n"
 SLUG_LENGTH = 54  # of the subject, as in the names the series has always had
 
 
-class ApplyError(RuntimeError):
-    pass
-
-
-def git(tree: Path, *args: str, stdin: str | None = None) -> str:
-    run = subprocess.run(["git", *args], cwd=tree, input=stdin, capture_output=True, text=True)
-    if run.returncode != 0:
-        raise ApplyError(f"git {' '.join(args)}: {run.stderr.strip() or run.stdout.strip()}")
-    return run.stdout
-
-
 def patches(directory: Path = SERIES_DIR) -> list[Path]:
     return sorted(directory.glob("*.patch"))
 
 
 def render(message: str, stat: str, diff: str) -> str:
     return f"{message.strip()}\n{SEPARATOR.strip()}\n{stat.rstrip()}\n\n{diff}"
-
-
-def message_of(patch_text: str) -> str:
-    """The commit message (subject, blank line, body) of one series file."""
-    return patch_text.split(SEPARATOR, 1)[0].strip() + "\n"
 
 
 _REWRITE_HEADER = re.compile(
@@ -104,16 +91,18 @@ def post_image(path: str, directory: Path = SERIES_DIR) -> str:
 def export_series(tree: Path, base: str = BASE_COMMIT, out: Path = SERIES_DIR) -> list[Path]:
     """Write each commit of ``tree`` from ``base`` to HEAD as ``NNNN-<subject>.patch`` in ``out``
     (replacing the series there); returns the files written."""
-    commits = git(tree, "rev-list", "--reverse", f"{base}..HEAD").split()
+    commits = git(tree, "rev-list", "--reverse", f"{base}..HEAD").stdout.split()
     out.mkdir(parents=True, exist_ok=True)
     for old in patches(out):
         old.unlink()
     written = []
     for number, commit in enumerate(commits, 1):
-        message = git(tree, "log", "-1", "--format=%B", commit)
-        stat = git(tree, "diff", "--stat=80", f"{commit}^", commit)
-        diff = git(tree, "diff", "-B", "-D", "--full-index", "--no-color", f"{commit}^", commit)
-        slug = git(tree, "log", "-1", "--format=%f", commit).strip()[:SLUG_LENGTH]
+        message = git(tree, "log", "-1", "--format=%B", commit).stdout
+        stat = git(tree, "diff", "--stat=80", f"{commit}^", commit).stdout
+        diff = git(
+            tree, "diff", "-B", "-D", "--full-index", "--no-color", f"{commit}^", commit
+        ).stdout
+        slug = git(tree, "log", "-1", "--format=%f", commit).stdout.strip()[:SLUG_LENGTH]
         path = out / f"{number:04d}-{slug}.patch"
         path.write_text(render(message, stat, diff))
         written.append(path)
@@ -126,30 +115,32 @@ def apply_patch(tree: Path, patch: Path, identity: tuple[str, ...] = ()) -> None
     rewrites, rest = split_rewrites(text)
     for rewrite in rewrites:
         target = tree / rewrite.path
-        found = git(tree, "hash-object", rewrite.path).strip() if target.exists() else "absent"
+        found = "absent"
+        if target.exists():
+            found = git(tree, "hash-object", rewrite.path).stdout.strip()
         if found != rewrite.old_blob:
-            raise ApplyError(f"{patch.name}: {rewrite.path} is {found}, not {rewrite.old_blob}")
+            raise PatchError(f"{patch.name}: {rewrite.path} is {found}, not {rewrite.old_blob}")
     if rest:
         git(tree, "apply", "--index", "--whitespace=nowarn", stdin=rest)
     for rewrite in rewrites:
         (tree / rewrite.path).write_text(rewrite.text)
         git(tree, "add", rewrite.path)
-        if git(tree, "hash-object", rewrite.path).strip() != rewrite.new_blob:
-            raise ApplyError(f"{patch.name}: {rewrite.path} written, but not the expected blob")
-    git(tree, *identity, "commit", "-q", "-F", "-", stdin=message_of(text))
+        if git(tree, "hash-object", rewrite.path).stdout.strip() != rewrite.new_blob:
+            raise PatchError(f"{patch.name}: {rewrite.path} written, but not the expected blob")
+    git(tree, *identity, "commit", "-q", "-F", "-", stdin=commit_message(patch))
 
 
 def apply_series(
     tree: Path, identity: tuple[str, ...] = (), series: list[Path] | None = None
 ) -> str:
     """Apply every patch on ``tree``'s HEAD; returns the starting commit. All or nothing."""
-    if git(tree, "status", "--porcelain", "--untracked-files=no").strip():
-        raise ApplyError(f"{tree} has uncommitted changes; commit or stash them first")
-    start = git(tree, "rev-parse", "HEAD").strip()
+    if git(tree, "status", "--porcelain", "--untracked-files=no").stdout.strip():
+        raise PatchError(f"{tree} has uncommitted changes; commit or stash them first")
+    start = git(tree, "rev-parse", "HEAD").stdout.strip()
     try:
         for patch in patches() if series is None else series:
             apply_patch(tree, patch, identity)
-    except ApplyError:
+    except PatchError:
         git(tree, "reset", "-q", "--hard", start)
         raise
     return start
