@@ -1,7 +1,10 @@
 """vLLM's tests' conftest.py in the tree upstream_patch/run_vllm_tests.py extracts; not vLLM's.
 
-Offline, CPU-only stand-ins for what vLLM's own conftest and CI provide. Named so that this
-repository's pytest does not load it: run_vllm_tests.py copies it there as ``conftest.py``.
+Offline, CPU-only stand-ins for what vLLM's own conftest and CI provide: hub model names become a
+tiny local config (``facebook/opt-125m`` -> a tiny Llama; models that only the hub has, e.g. the
+multimodal llava, skip the test), every ``VllmConfig`` gets ``DeviceConfig("cpu")``, and the hub
+is offline. Named so that this repository's pytest does not load it: run_vllm_tests.py copies it
+there as ``conftest.py``.
 """
 
 import importlib.util
