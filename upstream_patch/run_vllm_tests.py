@@ -3,9 +3,8 @@
     python upstream_patch/run_vllm_tests.py [--release X] [--report FILE] [--balance] [-- ARGS]
 
 This is what an upstream reviewer's CI runs first. ``--release X`` runs on vLLM release X instead
-of the installed vLLM: its wheel, unpacked into a scratch directory that comes first on the test
-processes' ``PYTHONPATH`` (as ``reach.py`` does; the CPU runtime of this environment is shared).
-Steps:
+of the installed vLLM: its unpacked wheel shadows the installed one in the test processes
+(``seam_patch.unpacked_release``, as in ``reach.py``). Steps:
 
 1. The sdist of the installed vLLM version (it carries ``tests/``) is fetched from the package
    registry through PEP 691's JSON form of the simple index (the interface pip itself uses; the
@@ -85,18 +84,22 @@ class RunError(RuntimeError):
     pass
 
 
+def vllm_index() -> dict:
+    """vLLM's page of the package index in PEP 691's JSON form: its ``files`` and ``versions``."""
+    request = urllib.request.Request(
+        f"{INDEX}/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)
+
+
 def fetch_sdist(version: str) -> Path:
     """The cached sdist of vLLM ``version``, downloaded from the index on first use."""
     CACHE.mkdir(parents=True, exist_ok=True)
     target = CACHE / f"vllm-{version}.tar.gz"
     if target.exists():
         return target
-    request = urllib.request.Request(
-        f"{INDEX}/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        files = json.load(response)["files"]
-    entry = next((f for f in files if f["filename"] == target.name), None)
+    entry = next((f for f in vllm_index()["files"] if f["filename"] == target.name), None)
     if entry is None:
         raise RunError(f"the index has no {target.name}")
     digest = hashlib.sha256()

@@ -7,11 +7,8 @@ already, and that file's text with the series applied or reverted. Applying is `
 tree (``git_apply``): every context line must match (an offset is allowed, fuzz is not), and a
 series applies completely or not at all.
 
-A series is a directory named after the vLLM release it was made from (``v0.33.0/``) holding
-``*.patch`` files: a commit message, then the diff. Only releases whose patch text differs from the
-next newer stored one keep a directory (``make_series.py`` decides and checks this); a release in
-between is served by the newer series, which applies to it at an offset. The directory names are
-the list of stored refs; no version string is written anywhere else.
+What a series is, and which release each one serves: upstream_patch/README.md and
+``make_series.py``.
 """
 
 from __future__ import annotations
