@@ -78,3 +78,15 @@ def test_matrix_says_verified_only_for_a_run_that_passed(monkeypatch, tmp_path, 
     assert "| verified |" in rows["shim"]
     assert "FAILED: FAILED tests/test_contract.py::x" in rows["compat"]
     assert "refused (unverified)" in rows["compat"]  # the fingerprints do not list 0.31.0
+
+
+def test_fill_writes_only_the_generated_blocks_and_refuses_a_missing_one(tmp_path):
+    """The documents' prose is written in them; only the blocks between the markers are
+    generated (and a block the document lacks is an error, not a silent no-op)."""
+    doc = tmp_path / "doc.md"
+    doc.write_text("prose\n\n<!-- generated: t -->\n\nold\n\n<!-- end -->\n\nmore prose\n")
+    assert support_matrix.fill(doc, {"t": ["new", "rows"]}) == (
+        "prose\n\n<!-- generated: t -->\n\nnew\nrows\n\n<!-- end -->\n\nmore prose\n"
+    )
+    with pytest.raises(ValueError, match="no generated block"):
+        support_matrix.fill(doc, {"u": ["x"]})
