@@ -190,8 +190,9 @@ def unit_test(seamed_source: str, authored_test: str) -> str:
     return text
 
 
-def series_text(source: str) -> str:
-    """The patch for a release whose ``scheduler.py`` is ``source``: message, then the diff."""
+def series_text(source: str) -> tuple[str, dict[str, str]]:
+    """The patch for a release whose ``scheduler.py`` is ``source`` (message, then the diff), and
+    the files it gives (repository path -> text)."""
     seamed, note = add_seam(source)
     message, test_text = authored()
     with tempfile.TemporaryDirectory(prefix="vllm-seam-series-") as tmp:
@@ -205,27 +206,21 @@ def series_text(source: str) -> str:
         target.write_text(seamed, encoding="utf-8")
         test = repo / SEAM_TEST_PATH
         test.parent.mkdir(parents=True)
-        test.write_text(unit_test(seamed, test_text), encoding="utf-8")
+        files = {SCHEDULER_PATH: seamed, SEAM_TEST_PATH: unit_test(seamed, test_text)}
+        test.write_text(files[SEAM_TEST_PATH], encoding="utf-8")
         git(repo, "add", "-A")
         diff = git(repo, "diff", "--cached", "--patch-with-stat", "--full-index", before).stdout
-    return release_message(message, note) + "---\n" + diff
+    return release_message(message, note) + "---\n" + diff, files
 
 
-def _results(source: str, patches: list[Path] | tuple[Path, ...]) -> dict[str, str]:
-    """The files a series produces from a release's ``scheduler.py`` (its test file included)."""
-    return apply_series({SCHEDULER_PATH: source}, Series("v0", PATCH_ROOT, tuple(patches)))
-
-
-def serves(series: Series, source: str, text: str) -> bool:
-    """Whether ``series`` gives, from ``source``, byte for byte what patch ``text`` gives."""
+def serves(series: Series, source: str, generated: tuple[str, dict[str, str]]) -> bool:
+    """Whether ``series`` gives, from ``source``, byte for byte what the ``generated`` patch (its
+    text and its files, from ``series_text``) gives."""
+    text, files = generated
     if _LOCATION.sub("", series.patches[0].read_text(encoding="utf-8")) != _LOCATION.sub("", text):
         return False
-    with tempfile.TemporaryDirectory(prefix="vllm-seam-text-") as tmp:
-        generated = Path(tmp) / PATCH_NAME
-        generated.write_text(text, encoding="utf-8")
-        wanted = _results(source, [generated])
     try:
-        return _results(source, series.patches) == wanted
+        return apply_series({SCHEDULER_PATH: source}, series) == files
     except PatchError:
         return False
 
@@ -233,7 +228,7 @@ def serves(series: Series, source: str, text: str) -> bool:
 def neighbours(version: str) -> tuple[Series | None, Series | None]:
     """The nearest stored series older than ``version`` and the nearest newer one."""
     stored = [s for s in all_series() if s.ref != f"v{version}"]
-    older = [s for s in stored if s.version < Series(f"v{version}", PATCH_ROOT, ()).version]
+    older = [s for s in stored if s.version < Version(version)]
     newer = [s for s in stored if s not in older]
     return (older[-1] if older else None), (newer[0] if newer else None)
 
@@ -241,17 +236,17 @@ def neighbours(version: str) -> tuple[Series | None, Series | None]:
 def store_series(version: str) -> str:
     """Write (or drop) the release's series; returns what was done, in one line."""
     source = wheel_scheduler_source(wheel_for(version))
-    text = series_text(source)
+    generated = series_text(source)
     older, newer = neighbours(version)
     directory = PATCH_ROOT / f"v{version}"
-    if newer is not None and serves(newer, source, text):
+    if newer is not None and serves(newer, source, generated):
         if directory.exists():
             shutil.rmtree(directory)
         return f"v{version}: served by {newer.ref} (same text; not stored)"
     directory.mkdir(exist_ok=True)
     for old in directory.glob("*.patch"):
         old.unlink()
-    (directory / PATCH_NAME).write_text(text, encoding="utf-8")
+    (directory / PATCH_NAME).write_text(generated[0], encoding="utf-8")
     done = f"v{version}: wrote {directory.relative_to(PATCH_ROOT.parent)}/{PATCH_NAME}"
     if older is not None:
         older_version = older.ref.removeprefix("v")
@@ -265,12 +260,12 @@ def store_series(version: str) -> str:
 
 def check_series(version: str, source: str) -> str | None:
     """None if the stored series that serves ``version`` is what the generator gives; else why."""
-    text = series_text(source)
+    generated = series_text(source)
     own = PATCH_ROOT / f"v{version}" / PATCH_NAME
     if own.exists():
-        return None if own.read_text(encoding="utf-8") == text else f"{own} differs"
+        return None if own.read_text(encoding="utf-8") == generated[0] else f"{own} differs"
     _, newer = neighbours(version)
-    if newer is None or not serves(newer, source, text):
+    if newer is None or not serves(newer, source, generated):
         return f"no stored series gives v{version}'s patch (run make_series.py {version})"
     return None
 
