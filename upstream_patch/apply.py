@@ -137,8 +137,9 @@ def build_branch(repo: Path, ref: str, branch: str | None, signoff: bool = False
             signed = ["--signoff"] if signoff else []
             git(repo, "commit", "-q", *signed, "-F", "-", stdin=commit_message(patch))
     except PatchError as exc:
-        # The series was checked above, so this is git refusing to commit (no user.name or
-        # user.email configured, a hook): leave no half-built branch behind.
+        # Its scheduler change was checked above, so this is git refusing to commit (no
+        # user.name or user.email configured, a hook) or the new test file being there already:
+        # leave no half-built branch behind.
         git(repo, "reset", "-q", "--hard", check=False)
         git(repo, "checkout", "-q", original, check=False)
         git(repo, "branch", "-D", branch, check=False)
