@@ -97,10 +97,10 @@ def test_check_catches_a_series_that_is_not_what_the_generator_gives(monkeypatch
     series lack is reported."""
     import make_series
 
-    message, test = authored()
-    changed = message.replace("The case at hand", "The case in point")
-    assert changed != message
-    monkeypatch.setattr(make_series, "authored", lambda: (changed, test))
+    hand = authored()
+    changed = hand._replace(message=hand.message.replace("The case at hand", "The case in point"))
+    assert changed != hand
+    monkeypatch.setattr(make_series, "authored", lambda: changed)
     assert check_series(installed_version(), unpatched_installed_source()) is not None
 
 
@@ -109,9 +109,21 @@ def test_check_catches_a_test_case_the_stored_series_lack(monkeypatch):
     default does not read), so a case added to it shows up in the check of every release."""
     import make_series
 
-    message, test = authored()
-    added = "\n\ndef test_x():\n    pass\n"
-    monkeypatch.setattr(make_series, "authored", lambda: (message, test + added))
+    hand = authored()
+    added = hand._replace(test=hand.test + "\n\ndef test_x():\n    pass\n")
+    monkeypatch.setattr(make_series, "authored", lambda: added)
+    assert check_series(installed_version(), unpatched_installed_source()) is not None
+
+
+def test_check_catches_a_method_docstring_the_stored_series_lack(monkeypatch):
+    """Negative control: the method's docstring, too, is read from the newest series."""
+    import make_series
+
+    hand = authored()
+    assert hand.method_head.startswith(f"    def {SEAM_METHOD}(self) -> bool:\n")
+    changed = hand._replace(method_head=hand.method_head.replace("engine stalls", "engine hangs"))
+    assert changed != hand
+    monkeypatch.setattr(make_series, "authored", lambda: changed)
     assert check_series(installed_version(), unpatched_installed_source()) is not None
 
 

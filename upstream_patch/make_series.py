@@ -36,6 +36,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 from packaging.version import Version
 
@@ -76,22 +77,6 @@ because len(self.running) <= self.max_num_running_reqs always holds
 (schedule() asserts it), and it keeps the default a stop if a subclass ever
 lets running exceed the limit."""
 
-METHOD = '''\
-    def {method}(self) -> bool:
-        """Whether schedule() stops taking WAITING requests for this step.
-
-        Checked before each request the WAITING loop takes, so it holds back
-        every waiting request: new ones, preempted ones, and ones that already
-        hold KV blocks (e.g. after an async KV load). Running requests are
-        scheduled either way. The default stops when the request slots are
-        full. A subclass may override it to hold back admission (e.g. to
-        balance load across data-parallel ranks); an override must not keep
-        returning True while nothing is running, or the engine stalls.
-        """
-{pre}        return {cond}
-
-'''
-
 _SLOT_CHECK = re.compile(r"^(?P<indent>\s*)if (?P<cond>.*\bself\.max_num_\w+_reqs\b.*):\s*$")
 _ASSIGNMENT = re.compile(r"^\s*(?P<names>[\w, ]+?)\s*=[^=]")
 # What may differ between two series whose text is "the same": blob ids and line numbers.
@@ -102,8 +87,9 @@ class SeamError(RuntimeError):
     pass
 
 
-def add_seam(source: str) -> tuple[str, str]:
-    """``source`` with the seam; also the commit-message note about the condition (may be '')."""
+def add_seam(source: str, method_head: str) -> tuple[str, str]:
+    """``source`` with the seam (the method starts with ``method_head``: its signature and
+    docstring); also the commit-message note about the condition (may be '')."""
     lines = source.splitlines(keepends=True)
     schedule_at = next(
         (i for i, ln in enumerate(lines) if ln.startswith("    def schedule(")), None
@@ -147,11 +133,8 @@ def add_seam(source: str) -> tuple[str, str]:
     if re.search(r"\s==\s*self\.max_num_running_reqs", cond):
         cond = re.sub(r"\s==\s", " >= ", cond)
         note = EQ_NOTE
-    method = METHOD.format(
-        method=SEAM_METHOD,
-        pre="".join("        " + ln[len(indent) :] if ln.strip() else ln for ln in pre),
-        cond=cond,
-    )
+    moved = "".join("        " + ln[len(indent) :] if ln.strip() else ln for ln in pre)
+    method = f"{method_head}{moved}        return {cond}\n\n"
     call = f"{indent}if self.{SEAM_METHOD}():\n"
     new_lines = (
         lines[:schedule_at] + [method] + lines[schedule_at:first] + [call] + lines[check_at + 1 :]
@@ -159,15 +142,25 @@ def add_seam(source: str) -> tuple[str, str]:
     return "".join(new_lines), note
 
 
-def authored() -> tuple[str, str]:
-    """The commit message and the unit test file, as the newest stored series has them.
+class Authored(NamedTuple):
+    message: str
+    test: str  # the unit test file
+    method_head: str  # the seam method's signature and docstring
 
-    That series is where they are written: edit its message or its test lines there, then run
-    this script on every release (the other series, and the newest's diffstat and blob ids,
-    follow).
+
+def authored() -> Authored:
+    """The text written by hand, as the newest stored series has it.
+
+    That series is where it is written: edit its message, its test lines or the method's docstring
+    there, then run this script on every release (the other series, and the newest's diffstat,
+    line counts and blob ids, follow).
     """
     newest = all_series()[-1]
-    return commit_message(newest.patches[0]), seam_test_text(newest)
+    patch = newest.patches[0]
+    added = [ln[1:] for ln in patch.read_text(encoding="utf-8").splitlines(True) if ln[0] == "+"]
+    start = added.index(f"    def {SEAM_METHOD}(self) -> bool:\n")
+    head = "".join(added[start : added.index('        """\n', start) + 1])
+    return Authored(commit_message(patch), seam_test_text(newest), head)
 
 
 def release_message(message: str, note: str) -> str:
@@ -193,8 +186,8 @@ def unit_test(seamed_source: str, authored_test: str) -> str:
 def series_text(source: str) -> tuple[str, dict[str, str]]:
     """The patch for a release whose ``scheduler.py`` is ``source`` (message, then the diff), and
     the files it gives (repository path -> text)."""
-    seamed, note = add_seam(source)
-    message, test_text = authored()
+    hand = authored()
+    seamed, note = add_seam(source, hand.method_head)
     with tempfile.TemporaryDirectory(prefix="vllm-seam-series-") as tmp:
         repo = Path(tmp)
         git(repo, "init", "-q")
@@ -206,11 +199,11 @@ def series_text(source: str) -> tuple[str, dict[str, str]]:
         target.write_text(seamed, encoding="utf-8")
         test = repo / SEAM_TEST_PATH
         test.parent.mkdir(parents=True)
-        files = {SCHEDULER_PATH: seamed, SEAM_TEST_PATH: unit_test(seamed, test_text)}
+        files = {SCHEDULER_PATH: seamed, SEAM_TEST_PATH: unit_test(seamed, hand.test)}
         test.write_text(files[SEAM_TEST_PATH], encoding="utf-8")
         git(repo, "add", "-A")
         diff = git(repo, "diff", "--cached", "--patch-with-stat", "--full-index", before).stdout
-    return release_message(message, note) + "---\n" + diff, files
+    return release_message(hand.message, note) + "---\n" + diff, files
 
 
 def serves(series: Series, source: str, generated: tuple[str, dict[str, str]]) -> bool:
