@@ -50,10 +50,10 @@ class Series:
         return Version(self.ref)
 
 
-def all_series(root: Path = PATCH_ROOT) -> list[Series]:
-    """Every series directory under ``root`` (one holding ``*.patch``), oldest first."""
+def all_series() -> list[Series]:
+    """Every series directory (one holding ``*.patch``), oldest first."""
     found = []
-    for directory in root.glob("v[0-9]*"):  # not vllm-ascend/: that series is for vllm-ascend
+    for directory in PATCH_ROOT.glob("v[0-9]*"):  # not vllm-ascend/: that series is for vllm-ascend
         patches = tuple(sorted(directory.glob("*.patch")))
         if patches:
             found.append(Series(directory.name, directory, patches))
@@ -79,9 +79,7 @@ def git_apply(tree: Path, *args: str) -> subprocess.CompletedProcess:
     it from finding any repository above ``tree``.
     """
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(Path(tree).resolve().parent))
-    return subprocess.run(
-        ["git", "apply", *args], cwd=tree, env=env, capture_output=True, text=True
-    )
+    return git(tree, "apply", *args, env=env, check=False)
 
 
 def first_line(text: str) -> str:
