@@ -190,7 +190,7 @@ def install_reach(session: nox.Session) -> None:
 @nox.session(name="vllm-own-tests")
 def vllm_own_tests(session: nox.Session) -> None:
     """vLLM's own test_scheduler.py and test_async_scheduler.py plus the seam's tests, patched vs
-    unpatched: at both pins, or at the releases given (`nox -s vllm-own-tests -- 0.33.0`).
+    unpatched: at every pin, or at the releases given (`nox -s vllm-own-tests -- 0.33.0`).
 
     Each release's wheel shadows the pinned vLLM on PYTHONPATH (run_vllm_tests.py --release), so
     one venv serves every release, as in `nox -s reach`.
