@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         measure(args, args.out)
     from benchmarks.serve_report import report
 
-    report(args.out)
+    report(args.out, INPUT_LEN, MAX_NUM_SEQS, SEED)
     return 0
 
 

@@ -130,11 +130,9 @@ def fit_step_model(steps: list[dict]) -> dict:
     }
 
 
-def prefill_vs_decode(steps: list[dict]) -> dict:
+def prefill_vs_decode(steps: list[dict], input_len: int) -> dict:
     """Measured: a step with one typical prefill on a rank vs a step of decodes only."""
-    from benchmarks.serve import INPUT_LEN
-
-    typical = (0.75 * INPUT_LEN, 1.25 * INPUT_LEN)
+    typical = (0.75 * input_len, 1.25 * input_len)
     prefill = [
         s["period_ms"] for s in steps if any(typical[0] <= w[0] <= typical[1] for w in s["work"])
     ]
@@ -244,15 +242,13 @@ def ttft_phases(run: dict, result: dict) -> dict:
 
 
 # ------------------------------------------------------------------------ the simulator
-def simulate(out: Path, runs: list[dict], model: dict) -> dict:
+def simulate(out: Path, runs: list[dict], model: dict, max_num_seqs: int, seed: int) -> dict:
     """The simulator at DP=2 per rate on the measured requests' lengths, with the fitted model.
 
     The trace is that rate's first run as the client recorded it: each request's send time
     (``start_times``) and its input and output lengths (same seed for every run, so the same
     requests in all; the send times differ by scheduling noise only).
     """
-    from benchmarks.serve import MAX_NUM_SEQS, SEED
-
     model_file = out / "step_model.json"
     keys = ("fixed_ms", "per_prefill_token_ms", "per_decode_request_ms", "per_kv_token_ms")
     step_model = {k: model[k] for k in keys} | {"gather_ms": model.get("gather_ms", 0.64)}
@@ -274,9 +270,9 @@ def simulate(out: Path, runs: list[dict], model: dict) -> dict:
         sim_out = out / "sim" / f"r{rate:g}"
         command = [
             sys.executable, "-m", "vllm_balance.sim", "--dp", "2",
-            "--max-num-seqs", str(MAX_NUM_SEQS), "--trace", str(trace),
+            "--max-num-seqs", str(max_num_seqs), "--trace", str(trace),
             "--policies", ",".join(policies), "--step-model", str(model_file),
-            "--seed", str(SEED), "--out", str(sim_out), "--no-plots", "--no-progress",
+            "--seed", str(seed), "--out", str(sim_out), "--no-plots", "--no-progress",
             "--jobs", "1",
         ]  # fmt: skip
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
@@ -416,7 +412,8 @@ def agreement_markdown(rows: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report(out: Path) -> dict:
+def report(out: Path, input_len: int, max_num_seqs: int, seed: int) -> dict:
+    """``serve.py`` passes its workload's constants (this module does not import it: no loop)."""
     runs = json.loads((out / "runs.json").read_text())
     table = measured(out, runs)
     steps_by_policy = {p: cluster_steps(load_steps(out, p)) for p in table}
@@ -428,12 +425,12 @@ def report(out: Path) -> dict:
         # as gather_ms, so the comparison below carries what balance really costs this server.
         delta = gather["period_ms_p50_delta"]
         model["gather_ms"] = round(max(delta, 0.0), 3)
-    simulated = simulate(out, runs, model) if model else {}
+    simulated = simulate(out, runs, model, max_num_seqs, seed) if model else {}
     summary = {
         "runs": [{k: run.get(k) for k in RUN_KEYS.split()} for run in runs],
         "measured": table,
         "step_model": model,
-        "prefill_vs_decode": prefill_vs_decode(off_steps),
+        "prefill_vs_decode": prefill_vs_decode(off_steps, input_len),
         "gather_cost": gather,
         "simulated": simulated,
         "agreement": agreement(table, simulated),
