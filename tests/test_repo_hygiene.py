@@ -165,9 +165,31 @@ PRODUCT_FOLDERS = {"vllm_balance": "vllm_balance", "vllm_balance.shim": "shim"}
 PRODUCT_FOLDERS["vllm_balance.compat"] = "compat"
 
 
+def imported_names(path: Path) -> set[tuple[str, str | None]]:
+    """``(module, name)`` for every ``from module import name`` anywhere in ``path``'s body
+    (function-level too), ``(module, None)`` for ``import module``; but for imports that only
+    type checkers see."""
+    tree = ast.parse(path.read_text())
+    # Annotation-only imports (``if TYPE_CHECKING:``) never run: they make no loop.
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for inner in ast.walk(node)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update((alias.name, None) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.update((node.module, alias.name) for alias in node.names)
+    return found
+
+
 def import_graph(root: Path) -> dict[str, set[str]]:
-    """Module -> the product modules it imports anywhere in its body (function-level too), but
-    for imports that only type checkers see."""
+    """Module -> the product modules it imports."""
     modules = {}
     for package, folder in PRODUCT_FOLDERS.items():
         for path in (root / folder).rglob("*.py"):
@@ -175,31 +197,43 @@ def import_graph(root: Path) -> dict[str, set[str]]:
             modules[".".join((package, *parts[: -1 if parts[-1] == "__init__" else None]))] = path
     graph = {}
     for name, path in modules.items():
-        found = set()
-        tree = ast.parse(path.read_text())
-        # Annotation-only imports (``if TYPE_CHECKING:``) never run: they make no loop.
-        typing_only = {
-            id(inner)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for inner in ast.walk(node)
-        }
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
-            if isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                for alias in node.names:
-                    child = f"{node.module}.{alias.name}"
-                    found.add(child if child in modules else node.module)
+        # ``from package import module`` reads the module; ``from module import name`` the module.
+        found = {f"{m}.{n}" if f"{m}.{n}" in modules else m for m, n in imported_names(path)}
         graph[name] = {m for m in found if m in modules and m != name}
     return graph
 
 
-def import_cycle(root: Path) -> list[str] | None:
+# The scripts outside the product import each other by file name (their folder is on sys.path)
+# or, for benchmarks, as ``benchmarks.<name>``.
+SCRIPT_FOLDERS = ("benchmarks", "tools", "upstream_patch", "upstream_patch/vllm-ascend")
+
+
+def script_import_graph(root: Path) -> dict[str, set[str]]:
+    """Script -> the scripts it imports (its own folder first, as Python finds them)."""
+    scripts = [path for folder in SCRIPT_FOLDERS for path in sorted((root / folder).glob("*.py"))]
+
+    def resolve(name: str, importer: Path) -> Path | None:
+        folder, _, stem = name.rpartition(".")
+        if folder and folder not in SCRIPT_FOLDERS:
+            return None
+        candidates = [
+            p for p in scripts if p.stem == stem and (not folder or p.parent.name == folder)
+        ]
+        own = [p for p in candidates if p.parent == importer.parent]
+        return (own or candidates or [None])[0]
+
+    graph = {}
+    for path in scripts:
+        imports = imported_names(path)
+        names = {m for m, _ in imports} | {f"{m}.{n}" for m, n in imports if n}
+        targets = {resolve(name, path) for name in names} - {None, path}
+        graph[str(path.relative_to(root))] = {str(t.relative_to(root)) for t in targets if t}
+    return graph
+
+
+def import_cycle(root: Path, graph=import_graph) -> list[str] | None:
     try:
-        graphlib.TopologicalSorter(import_graph(root)).prepare()
+        graphlib.TopologicalSorter(graph(root)).prepare()
     except graphlib.CycleError as exc:
         return exc.args[1]
     return None
@@ -221,4 +255,25 @@ def test_import_cycle_check_finds_a_loop(tmp_path):
     assert sorted(set(import_cycle(tmp_path))) == [
         "vllm_balance.activation",
         "vllm_balance.registry",
+    ]
+
+
+def test_scripts_have_no_import_cycles():
+    """The same for benchmarks/, tools/ and upstream_patch/ (benchmarks' run.py and
+    instructions.py imported each other until issue 15)."""
+    assert import_cycle(ROOT, script_import_graph) is None
+    graph = script_import_graph(ROOT)
+    assert "upstream_patch/seam_patch.py" in graph["upstream_patch/vllm-ascend/series.py"]
+    assert "benchmarks/steps.py" in graph["benchmarks/serve_report.py"]
+
+
+def test_script_cycle_check_finds_a_loop(tmp_path):
+    """Negative control: run.py -> instructions.py -> run.py, the loop issue 15 removed."""
+    for folder in SCRIPT_FOLDERS:
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "benchmarks" / "run.py").write_text("import instructions\n")
+    (tmp_path / "benchmarks" / "instructions.py").write_text("from benchmarks.run import x\n")
+    assert sorted(set(import_cycle(tmp_path, script_import_graph))) == [
+        "benchmarks/instructions.py",
+        "benchmarks/run.py",
     ]
