@@ -1,24 +1,17 @@
 """Contract 2 and 4 on generated workloads: BalanceScheduler == upstream Scheduler, step by step.
 
-The engine and the workload strategies are in ``balance_differential``; this file states the
-properties and checks that the generated workloads really reach the paths the claim covers (a
-property that never preempts proves nothing about preemption).
+The engine is in ``lockstep``, the sides and the workload strategies in ``balance_differential``;
+this file states the properties and checks that the generated workloads really reach the paths
+the claim covers (a property that never preempts proves nothing about preemption).
 """
 
 from __future__ import annotations
 
 import pytest
-from balance_differential import (
-    Divergence,
-    Gathered,
-    Req,
-    Workload,
-    check_property,
-    compare,
-    property_settings,
-    workloads,
-)
+from balance_differential import check_property, compare, property_settings, workloads
+from factories import Divergence
 from hypothesis import Phase, given, settings
+from lockstep import Gathered, Req, Workload
 
 import vllm_balance
 
