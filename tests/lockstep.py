@@ -308,7 +308,7 @@ def diverged(workload: Workload, step_index: int, detail: str, sides: Sequence[S
         context = side.context()
         if context:
             _note(f"step {step_index}: {context}")
-    raise Divergence(f"step {step_index}: {detail:.600}")
+    raise Divergence(f"step {step_index}: {detail}")
 
 
 def _arrive_and_abort(workload: Workload, step_index: int, sides, grammars: dict, run: Run):
