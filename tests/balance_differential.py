@@ -261,10 +261,12 @@ class GateOracle(Side):
         )
         self.workload, self.mode = workload, mode
         # Before the first gather, balance_queue is the constructor's zeros (nobody at the cap).
-        self.vector = [0] * workload.dp_size
+        self.gathered = [0] * workload.dp_size
 
     def before_schedule(self, step_index: int) -> None:
-        if self.mode != "oracle_gather":
+        if self.mode == "oracle_gather":
+            self.vector = self.gathered
+        else:
             self.vector = self.workload.vector(step_index, self.workload.dp_size)
         self.at_cap = max(self.vector) == self.workload.cap
         self.frozen = self.mode != "disabled" and self.at_cap
@@ -288,9 +290,9 @@ class GateOracle(Side):
         return output
 
     def after_step(self, step_index: int) -> None:
-        if self.mode == "oracle_gather":  # the vector the next schedule() acts on
-            self.vector = self.workload.vector(step_index, self.workload.dp_size - 1)
-            self.vector.insert(0, len(self.scheduler.running))  # OtherRanks.rank
+        if self.mode == "oracle_gather":  # what the gather after this step delivers
+            self.gathered = self.workload.vector(step_index, self.workload.dp_size - 1)
+            self.gathered.insert(0, len(self.scheduler.running))  # OtherRanks.rank
 
     def facts(self, output) -> set[str]:
         scheduler, found = self.scheduler, set()
