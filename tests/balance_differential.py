@@ -138,10 +138,6 @@ def workloads(draw, at_cap: bool, structured: bool = True) -> Workload:
     )
 
 
-def set_gathered(scheduler, counts: list[int]) -> None:
-    scheduler.balance_queue = [torch.tensor([c], dtype=torch.int32) for c in counts]
-
-
 # ---------------------------------------------------------------------- the other DP ranks
 
 
@@ -208,7 +204,9 @@ class Ours(Side):
 
     def before_schedule(self, step_index: int) -> None:
         if self.mode != "oracle_gather":
-            set_gathered(self.scheduler, self.workload.vector(step_index, self.workload.dp_size))
+            factories.set_gathered(
+                self.scheduler, self.workload.vector(step_index, self.workload.dp_size)
+            )
             self.delivered = self.scheduler.balance_queue
 
     def after_step(self, step_index: int) -> str | None:

@@ -52,6 +52,13 @@ def make_requests(n: int, **kwargs) -> list:
     return [make_request(spec) for spec in request_specs(n, **kwargs)]
 
 
+def set_gathered(scheduler, counts: Sequence[int]) -> None:
+    """What the gather would leave in ``balance_queue``: one count per DP rank."""
+    import torch
+
+    scheduler.balance_queue = [torch.tensor([c], dtype=torch.int32) for c in counts]
+
+
 def step(scheduler, token_id: int = 7):
     """One engine step: schedule, fabricate the forward, feed it back. Returns both outputs."""
     scheduler_output = scheduler.schedule()

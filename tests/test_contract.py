@@ -51,10 +51,6 @@ def with_waiting(scheduler, n: int = 6, start: int = 0):
     return scheduler
 
 
-def set_gathered(scheduler, counts):
-    scheduler.balance_queue = [torch.tensor([c], dtype=torch.int32) for c in counts]
-
-
 def test_session_runs_the_path_its_seam_flag_says():
     expected = {True: "shim", False: "compat", None: None}[session_has_seam()]
     if expected is None:
@@ -67,7 +63,7 @@ def test_session_runs_the_path_its_seam_flag_says():
 
 def test_contract1_leader_at_cap_freezes_admission_on_this_rank():
     scheduler = with_waiting(balance_scheduler())
-    set_gathered(scheduler, [0, CAP])
+    factories.set_gathered(scheduler, [0, CAP])
     out = scheduler.schedule()
     assert admitted(out) == [] and out.total_num_scheduled_tokens == 0
     assert len(scheduler.waiting) == 6
@@ -75,7 +71,7 @@ def test_contract1_leader_at_cap_freezes_admission_on_this_rank():
 
 def test_contract1_leader_at_cap_minus_one_does_not_freeze():
     scheduler = with_waiting(balance_scheduler())
-    set_gathered(scheduler, [0, CAP - 1])
+    factories.set_gathered(scheduler, [0, CAP - 1])
     upstream = with_waiting(upstream_scheduler())
     assert (
         admitted(scheduler.schedule())
@@ -87,23 +83,23 @@ def test_contract1_leader_at_cap_minus_one_does_not_freeze():
 def test_contract1_is_not_catch_up_to_the_leader():
     # Leader at cap-1: "catch up" would cap this rank at 3; the contract admits up to the cap.
     scheduler = with_waiting(balance_scheduler())
-    set_gathered(scheduler, [0, CAP - 1])
+    factories.set_gathered(scheduler, [0, CAP - 1])
     assert len(admitted(scheduler.schedule())) == CAP
 
 
 def test_contract1_freeze_applies_to_every_rank_with_the_same_vector():
     ranks = [with_waiting(balance_scheduler(dp_size=3)) for _ in range(3)]
     for scheduler in ranks:
-        set_gathered(scheduler, [1, CAP, 0])
+        factories.set_gathered(scheduler, [1, CAP, 0])
     assert [admitted(s.schedule()) for s in ranks] == [[], [], []]
 
 
 def test_contract1_frozen_rank_keeps_decoding_its_running_requests():
     scheduler = with_waiting(balance_scheduler(), n=2)
-    set_gathered(scheduler, [0, 0])
+    factories.set_gathered(scheduler, [0, 0])
     factories.step(scheduler)
     with_waiting(scheduler, n=2, start=2)
-    set_gathered(scheduler, [2, CAP])
+    factories.set_gathered(scheduler, [2, CAP])
     out = scheduler.schedule()
     assert admitted(out) == []
     assert out.num_scheduled_tokens == {"req-0": 1, "req-1": 1}
@@ -111,10 +107,10 @@ def test_contract1_frozen_rank_keeps_decoding_its_running_requests():
 
 def test_contract1_gate_is_decided_once_per_step_from_balance_queue():
     scheduler = with_waiting(balance_scheduler())
-    set_gathered(scheduler, [CAP, 0])
+    factories.set_gathered(scheduler, [CAP, 0])
     scheduler.schedule()
     assert scheduler.admission_frozen is True
-    set_gathered(scheduler, [0, 0])  # tools may set balance_queue directly between steps
+    factories.set_gathered(scheduler, [0, 0])  # tools may set balance_queue directly between steps
     assert admitted(scheduler.schedule()) == [f"req-{i}" for i in range(CAP)]
     assert scheduler.admission_frozen is False
 
@@ -159,7 +155,7 @@ def test_contract1_cap_is_the_admission_limit_upstream_stops_at(limit):
     # max_num_seqs stays CAP; the WAITING loop (and the seam's default) stops at `limit`.
     scheduler = with_waiting(balance_scheduler(max_num_active_seqs=limit))
     assert scheduler.balance_cap == scheduler.max_num_active_reqs == limit
-    set_gathered(scheduler, [0, limit])
+    factories.set_gathered(scheduler, [0, limit])
     assert admitted(scheduler.schedule()) == []
 
 
@@ -167,7 +163,7 @@ def test_contract1_cap_is_the_admission_limit_upstream_stops_at(limit):
 @ADMISSION_LIMITS
 def test_contract1_leader_below_the_admission_limit_admits_like_upstream(limit):
     balance = with_waiting(balance_scheduler(max_num_active_seqs=limit))
-    set_gathered(balance, [0, limit - 1])
+    factories.set_gathered(balance, [0, limit - 1])
     upstream = with_waiting(upstream_scheduler(max_num_active_seqs=limit))
     expected = [f"req-{i}" for i in range(limit)]
     assert admitted(balance.schedule()) == admitted(upstream.schedule()) == expected
@@ -179,10 +175,10 @@ def test_contract1_rank_full_at_an_admission_limit_below_max_num_seqs_freezes_th
     # len(running) is what the gather carries, and it must freeze the other rank.
     limit = CAP - 1
     leader, other = (with_waiting(balance_scheduler(max_num_active_seqs=limit)) for _ in range(2))
-    set_gathered(leader, [0, 0])
+    factories.set_gathered(leader, [0, 0])
     factories.step(leader)
     assert len(leader.running) == limit
-    set_gathered(other, [len(leader.running), 0])
+    factories.set_gathered(other, [len(leader.running), 0])
     assert admitted(other.schedule()) == []
 
 
@@ -192,7 +188,7 @@ def test_contract1_rank_full_at_an_admission_limit_below_max_num_seqs_freezes_th
 def run_side_by_side(balance, upstream, steps: int, gathered=None):
     for step_index in range(steps):
         if gathered is not None:
-            set_gathered(balance, gathered)
+            factories.set_gathered(balance, gathered)
         ours, _ = factories.step(balance)
         theirs, _ = factories.step(upstream)
         difference = factories.first_difference(
@@ -285,7 +281,7 @@ def test_contract3_one_all_gather_of_len_running_on_the_injected_group(
     )
     ranks = [with_waiting(balance_scheduler(), n=n) for n in (3, 1)]
     for scheduler in ranks:
-        set_gathered(scheduler, [0, 0])
+        factories.set_gathered(scheduler, [0, 0])
         factories.step(scheduler)  # 3 and 1 running
     assert spy.calls == reductions == []  # schedule() never gathers (lesson A)
     groups = gloo_groups(2)

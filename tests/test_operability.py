@@ -14,7 +14,6 @@ from test_contract import (
     balance_scheduler,
     gloo_groups,
     run_as_ranks,
-    set_gathered,
     with_waiting,
 )
 from vllm.v1.request import RequestStatus
@@ -99,7 +98,7 @@ def test_bad_tuning_values_are_clear_errors_naming_the_key(key, value, message):
 def test_counters_follow_the_gate_and_the_gathered_vector():
     scheduler = with_waiting(balance_scheduler())
     for counts in ([0, CAP], [1, CAP], [2, 0]):
-        set_gathered(scheduler, counts)
+        factories.set_gathered(scheduler, counts)
         scheduler.observe_gathered()
         scheduler.schedule()
     stats = scheduler.balance_stats
@@ -113,7 +112,7 @@ def test_periodic_log_line_per_rank(caplog):
     scheduler = with_waiting(balance_scheduler())
     scheduler._periodic_log.interval_s = 1e-9
     scheduler._periodic_log._next = 0.0
-    set_gathered(scheduler, [0, CAP])
+    factories.set_gathered(scheduler, [0, CAP])
     with caplog.at_level(logging.INFO, logger="vllm_balance"):
         scheduler.schedule()
     assert "Balance DP0: steps=1, frozen=100.0%, deferred admissions=6, released=0" in caplog.text
@@ -161,7 +160,7 @@ def test_bounded_hold_opens_one_step_after_n_frozen_steps():
     scheduler = bounded_scheduler(2)
     decisions = []
     for _ in range(7):
-        set_gathered(scheduler, [0, CAP])  # the leader never drains in this script
+        factories.set_gathered(scheduler, [0, CAP])  # the leader never drains in this script
         scheduler.observe_gathered()
         decisions.append("admit" if admits(scheduler) else "frozen")
     assert decisions == ["frozen", "frozen", "admit", "frozen", "frozen", "admit", "frozen"]
@@ -174,7 +173,7 @@ def test_bounded_hold_decision_is_identical_on_ranks_that_skip_schedule():
     busy_decisions, drained_decisions = [], []
     for step in range(4):
         for scheduler in (busy, drained):
-            set_gathered(scheduler, [CAP, 0])
+            factories.set_gathered(scheduler, [CAP, 0])
             scheduler.observe_gathered()
         busy_decisions.append(admits(busy))
         if step == 3:  # the drained rank gets work only now
@@ -186,7 +185,7 @@ def test_bounded_hold_decision_is_identical_on_ranks_that_skip_schedule():
 def test_unset_bound_is_exactly_the_contract():
     scheduler = with_waiting(balance_scheduler(), n=12)
     for _ in range(6):
-        set_gathered(scheduler, [0, CAP])
+        factories.set_gathered(scheduler, [0, CAP])
         scheduler.observe_gathered()
         assert admitted(scheduler.schedule()) == []
 
