@@ -219,6 +219,40 @@ def test_product_counters_match_the_simulators_accounting(tiny_runs, policy):
     assert max(s.frozen_steps for s in stats) <= held_steps <= sum(s.frozen_steps for s in stats)
 
 
+# --- what advise reads from a run: does the queue grow? ---------------------------------------
+
+
+def _record_with(arrivals_s, first_tokens_s):
+    from vllm_balance.sim.engine import RequestRecord, RunRecord, StepLog
+
+    requests = {
+        f"r{i}": RequestRecord(0, arrival, 1, first, first, 1, True)
+        for i, (arrival, first) in enumerate(zip(arrivals_s, first_tokens_s))
+    }
+    return RunRecord("off", None, max(first_tokens_s), requests, StepLog(), [])
+
+
+def test_queue_growth_is_the_part_of_the_second_halfs_arrivals_left_queued():
+    from vllm_balance.sim.metrics import queue_growth
+
+    arrivals = [float(i) for i in range(100)]
+    # Served 0.5 s after arriving: the backlog never grows.
+    assert queue_growth(_record_with(arrivals, [t + 0.5 for t in arrivals])) == 0.0
+    # Served at half the arrival rate: half of each half's arrivals stay queued.
+    assert queue_growth(_record_with(arrivals, [2.0 * t + 0.5 for t in arrivals])) == 0.5
+
+
+def test_an_overloaded_run_grows_its_queue_and_fills_a_rank(tiny_runs):
+    """TINY arrives at 400 req/s, far beyond what 4 ranks x 4 seats serve."""
+    from vllm_balance.sim.advise import QUEUE_GROWTH
+    from vllm_balance.sim.metrics import fullest_rank, queue_growth
+
+    _, runs = tiny_runs
+    off = next(run for run in runs if run.summary.policy == "off")
+    assert queue_growth(off.record) > QUEUE_GROWTH
+    assert fullest_rank(off.record) == TINY.max_num_seqs
+
+
 # --- step-time model: shared expert work and the gather's own cost ----------------------------
 
 

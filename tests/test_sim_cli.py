@@ -44,7 +44,8 @@ def _error_of(argv: list[str], capsys) -> str:
     assert status == 2, (status, captured.err)
     lines = captured.err.splitlines()
     assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
-    assert lines[0].startswith("vllm-balance-sim"), lines[0]
+    # One prefix for every command's errors, the program's name (issue 34).
+    assert lines[0].startswith("vllm-balance-sim: error: "), lines[0]
     return lines[0]
 
 
@@ -124,80 +125,13 @@ def test_verdict_needs_a_change_beyond_5_percent_on_every_seed(variant, expected
     assert verdict(changes([_summary(), _summary()], variant)) == expected
 
 
-# --- advise: the words an operator reads ------------------------------------------------------
-
-
-def _advice(on_vs_off, hold_vs_off=None, hold_vs_on=None, frozen=0.0) -> str:
-    from vllm_balance.sim.advise import recommendation
-
-    base = [_summary(), _summary()]
-    same = changes(base, base)
-    lines = recommendation(
-        changes(base, on_vs_off),
-        changes(base, hold_vs_off) if hold_vs_off else same,
-        changes(base, hold_vs_on) if hold_vs_on else same,
-        "bounded-hold:8",
-        frozen,
-    )
-    return "\n".join(lines)
-
-
-def test_advise_recommends_enabling_when_on_only_helps():
-    text = _advice([_summary(ttft_p99=300), _summary(ttft_p99=350)], frozen=0.04)
-    assert text.startswith("Recommendation: ENABLE balance scheduling")
-    assert '{"enable_balance_scheduling": true}' in text and "TTFT p99 -67.5%" in text
-    assert "leave it unset" in text  # the bounded hold brought nothing more
-
-
-def test_advise_recommends_against_when_on_only_hurts():
-    text = _advice([_summary(ttft_p50=900), _summary(ttft_p50=800)])
-    assert text.startswith("Recommendation: DO NOT ENABLE")
-    assert "TTFT p50 +325.0%" in text
-
-
-def test_advise_says_no_difference_when_nothing_moves_beyond_5_percent():
-    text = _advice([_summary(tpot=91.5), _summary(tpot=91.0)], frozen=0.0)
-    assert text.startswith("Recommendation: NO DIFFERENCE") and "0.0% of steps" in text
-
-
-def test_advise_names_both_sides_of_a_trade_off():
-    text = _advice([_summary(ttft_p99=300, tok=1500), _summary(ttft_p99=350, tok=1600)])
-    assert text.startswith("Recommendation: TRADE-OFF")
-    assert "TTFT p99 -67.5%" in text and "throughput -22.5%" in text
-
-
-def test_advise_recommends_the_bounded_hold_only_when_it_beats_the_gate():
-    helps = [_summary(ttft_p99=300), _summary(ttft_p99=350)]
-    text = _advice(helps, hold_vs_on=[_summary(ttft_p99=800), _summary(ttft_p99=850)])
-    assert "also set balance_max_frozen_steps: 8" in text
-    hurts = [_summary(ttft_p50=900), _summary(ttft_p50=800)]
-    text = _advice(hurts, hold_vs_off=[_summary(ttft_p99=300), _summary(ttft_p99=350)])
-    assert "does help here" in text and '"balance_max_frozen_steps": 8' in text
-
-
-@pytest.mark.parametrize(
-    "change, expected",
-    [
-        (dict(dp_size=1), "DP is 1"),
-        (dict(num_requests=100), "100 requests per run"),
-        (dict(concurrency=8 * 32 * 2), "2.00x what dp x max_num_seqs holds"),
-    ],
-)
-def test_advise_says_when_the_scenario_is_outside_what_it_can_judge(change, expected):
-    import dataclasses
-
-    from vllm_balance.sim.advise import limits
-    from vllm_balance.sim.runner import SimOptions, build_workload, offered_load
-
-    options = dataclasses.replace(SimOptions(), **change)
-    submitted = change.get("num_requests", 2000)
-    runs = [dataclasses.replace(_summary(), submitted=submitted, completed=submitted)] * 2
-    load = offered_load(options, build_workload(options))
-    reasons = limits(options, load, {"off": runs, "on": runs})
-    assert len(reasons) == 1 and expected in reasons[0]
-    # The same check passes the default scenario: it is the change that trips it.
-    complete = [dataclasses.replace(_summary(), submitted=2000, completed=2000)] * 2
-    assert limits(SimOptions(), 1.0, {"off": complete, "on": complete}) == []
+def test_seeds_beyond_5_percent_on_both_sides_are_unclear_for_advise_only():
+    """A small mean over seeds that straddle zero is no evidence of "no difference" (advise);
+    the envelope keeps the mean-only rule its published tables were labelled with."""
+    straddling = [_summary(ttft_p50=170), _summary(ttft_p50=240)]  # -15% and +20%: mean +2.5%
+    metric_changes = changes([_summary(), _summary()], straddling)
+    assert verdict(metric_changes) == NEUTRAL
+    assert verdict(metric_changes, straddle_is_unclear=True) == UNCLEAR
 
 
 def test_a_rate_maps_back_to_the_concurrency_it_was_made_from():

@@ -5,8 +5,9 @@ Runs N DP ranks of the installed vLLM's real scheduler, replays one workload und
 ``vllm-balance-sim advise ...`` recommends whether to enable balance for a deployment;
 ``vllm-balance-sim envelope ...`` sweeps load x shared_fraction. See docs/sim.md.
 
-Every bad input ends the program with one line on stderr and exit status 2, before any
-simulation starts; nothing a user types reaches them as a traceback.
+Every bad input ends the program with one line on stderr, ``vllm-balance-sim: error: ...``,
+and exit status 2, before any simulation starts; nothing a user types reaches them as a
+traceback. ``advise`` exits with its category's status (:mod:`vllm_balance.sim.advise`).
 """
 
 from __future__ import annotations
@@ -17,21 +18,31 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from vllm_balance.sim.advise import CATEGORIES as ADVISE_CATEGORIES
 from vllm_balance.sim.policies import DEFAULT_POLICIES, make_policy
 from vllm_balance.sim.router import STALENESS_MODES
 from vllm_balance.sim.runner import SimOptions, quiet_vllm_logs, show_balance_log_lines
-from vllm_balance.sim.stepmodel import StepModelError, StepTimeModel, load_step_model
+from vllm_balance.sim.stepmodel import (
+    StepModelError,
+    StepTimeModel,
+    load_step_model,
+    step_model_keys,
+)
 from vllm_balance.sim.workload import LengthDist, WorkloadError
 
 DEFAULTS = SimOptions()
 PROG = "vllm-balance-sim"
 
 
+ERROR_PREFIX = f"{PROG}: error: "  # every error of every command starts with it
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the full usage is 40 lines: ``--help``)."""
+    """argparse, but a usage error is one line (the full usage is 40 lines: ``--help``), and
+    every command's starts with :data:`ERROR_PREFIX` (a command's names it in the hint)."""
 
     def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{ERROR_PREFIX}{message} (see {self.prog} --help)\n")
 
 
 class CommandParser(OneLineErrorParser):
@@ -259,9 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     advise = OneLineErrorParser(
         prog=f"{PROG} advise",
-        description="Simulate off, on and the bounded hold over several seeds on your scenario "
-        "and recommend whether to enable balance scheduling, with the predicted change and its "
-        "spread; says when the scenario is outside what the simulator can judge.",
+        description="Simulate off, on and the bounded hold over several seeds on your scenario, "
+        "and off and on again with gather_ms and shared_fraction moved over their uncertain "
+        "range; recommend whether to enable balance scheduling, with the predicted change, its "
+        "spread and what the answer rests on; say when the scenario is outside what the "
+        "simulator can judge.",
+        epilog="Exit status: "
+        + ", ".join(f"{c.status} {c.word}" for c in ADVISE_CATEGORIES)
+        + ", 2 error (docs/sim.md, advise).",
     )
     add_scenario_options(advise)
     advise.add_argument(
@@ -395,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace and not Path(args.trace).is_file():
         parser.error(f"argument --trace: no such file: {args.trace!r}")
     try:
+        given_keys = step_model_keys(args.step_model) if args.step_model else frozenset()
         args.step_model = load_step_model(args.step_model) if args.step_model else None
     except StepModelError as exc:
         parser.error(f"argument --step-model: {exc}")
@@ -410,14 +427,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "advise":
             from vllm_balance.sim.advise import advise
 
-            return advise(args, options_from_args(args), jobs)
+            return advise(args, options_from_args(args), jobs, given_keys)
         if args.command == "envelope":
             from vllm_balance.sim.envelope import envelope
 
             return envelope(args, options_from_args(args), jobs)
         return _run(args, jobs)
     except (WorkloadError, StepModelError, ValueError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{ERROR_PREFIX}{exc}", file=sys.stderr)
         return 2
 
 

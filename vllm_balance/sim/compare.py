@@ -65,6 +65,13 @@ class Change:
         """Large on average, but seeds on both sides of zero: the run cannot tell."""
         return abs(self.mean) > NEUTRAL_PCT and not (self.improves or self.worsens)
 
+    @property
+    def straddles(self) -> bool:
+        """Some seed better and some seed worse, each by more than NEUTRAL_PCT, whatever the
+        mean: the seeds do not agree on the sign, so a small mean is no evidence of "no
+        difference" (the DP=2 calibrated case of issue 34: mean +1%, seeds -12..+27%)."""
+        return self.low < -NEUTRAL_PCT and self.high > NEUTRAL_PCT
+
     def text(self) -> str:
         spread = f"seeds {self.low:+.1f}..{self.high:+.1f}%" if len(self.per_seed) > 1 else ""
         return f"{self.name} {self.mean:+.1f}%" + (f" ({spread})" if spread else "")
@@ -93,9 +100,15 @@ def changes(baseline: Sequence, variant: Sequence) -> list[Change]:
 HELPS, NEUTRAL, HURTS, MIXED, UNCLEAR = "helps", "neutral", "hurts", "mixed", "unclear"
 
 
-def verdict(metric_changes: Sequence[Change]) -> str:
+def verdict(metric_changes: Sequence[Change], straddle_is_unclear: bool = False) -> str:
     """helps: some judged metric better, none worse; hurts: the reverse; mixed: both; neutral:
     none. unclear: none clearly moved, but some moved a lot on average with seeds disagreeing.
+
+    ``straddle_is_unclear``: also unclear when none clearly moved but some judged metric's seeds
+    lie beyond the threshold on both sides of zero (:attr:`Change.straddles`). ``advise`` asks
+    for it: one operator's decision must not read "no difference" out of seeds that disagree.
+    The operating envelope keeps the mean-only rule its tables in docs/results.md were made
+    with (their spreads are not all in the document to relabel them).
     """
     judged = [c for c in metric_changes if c.judged]
     better = any(c.improves for c in judged)
@@ -106,6 +119,6 @@ def verdict(metric_changes: Sequence[Change]) -> str:
         return HELPS
     if worse:
         return HURTS
-    if any(c.seeds_disagree for c in judged):
+    if any(c.seeds_disagree or (straddle_is_unclear and c.straddles) for c in judged):
         return UNCLEAR
     return NEUTRAL

@@ -87,7 +87,8 @@ def concurrency_for_rate(
     """The in-flight requests that ``rate_per_s`` sustains: ``rate_for_concurrency`` inverted.
 
     The rate grows monotonically with the concurrency (a larger batch lengthens the step by
-    less than it adds requests), so bisection finds it.
+    less than it adds requests), so bisection finds it. It levels off, though (the step grows
+    with the batch): a rate above what any concurrency sustains is ``inf``.
     """
 
     def rate_at(concurrency: float) -> float:
@@ -96,7 +97,9 @@ def concurrency_for_rate(
         return rate_for_concurrency(concurrency, mean_output, step_s)
 
     low, high = 0.0, float(options.dp_size * options.max_num_seqs)
-    while rate_at(high) < rate_per_s and high < 1e9:
+    while rate_at(high) < rate_per_s:
+        if high > 1e9:
+            return float("inf")
         high *= 2
     for _ in range(60):
         middle = (low + high) / 2

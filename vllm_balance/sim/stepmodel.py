@@ -186,6 +186,12 @@ def _parse_file(path: Path) -> dict[str, Any]:
     return data
 
 
+def step_model_keys(path: str | Path) -> frozenset[str]:
+    """The keys a step-model file sets; every other key keeps its default (``advise`` varies a
+    term over its whole range where the file leaves it at the default)."""
+    return frozenset(_parse_file(Path(path)))
+
+
 def load_step_model(path: str | Path) -> StepTimeModel:
     """Defaults overridden by the keys present in ``path`` (.json or .toml)."""
     path = Path(path)
