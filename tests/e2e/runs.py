@@ -16,8 +16,10 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,6 +75,7 @@ class ServerRun:
     leftovers: list[str] = field(default_factory=list)
     serving_log: str = ""  # start-up and load, before the stop began
     log: str = ""  # everything, shutdown included
+    while_up: Any = None  # what RunCache.while_up[mode] returned (docs' commands, as written)
 
     def texts(self) -> dict[str, str]:
         return {o.prompt.key: o.text for o in self.outcomes}
@@ -201,6 +204,9 @@ class RunCache:
         self._failures: dict[str, str] = {}
         self._skips: dict[str, str] = {}
         self._seam_touched = False
+        # A check a test makes on a mode's live server, after its load and /metrics scrape,
+        # before the stop (tests/e2e/test_laptop_doc.py: the docs' commands against it).
+        self.while_up: dict[str, Callable[[VllmServer], Any]] = {}
 
     def get(self, name: str) -> ServerRun:
         if name in self._failures:
@@ -257,6 +263,8 @@ class RunCache:
                 if record.metrics_status == 200:
                     record.metrics_text = server.http_text("/metrics")
                 record.serving_log = server.log_text()
+                if mode.name in self.while_up:
+                    record.while_up = self.while_up[mode.name](server)
         finally:
             record.stop_report = server.stop()
             record.leftovers = server.leftovers()
