@@ -79,6 +79,13 @@ def _text(evidence: Evidence) -> str:
     return "\n".join(advice(evidence).lines)
 
 
+def _answered(evidence: Evidence, category, status: int) -> str:
+    """The answer's text, once its category and exit status are the expected ones."""
+    answer = advice(evidence)
+    assert (answer.category, answer.category.status) == (category, status)
+    return "\n".join(answer.lines)
+
+
 # --- categories and exit statuses -------------------------------------------------------------
 
 
@@ -183,9 +190,7 @@ def test_case_gate_never_froze_says_it_measures_the_gathers_cost_alone():
             _sensitivity("gather_ms", "gather 1.92 ms/step", *[{"ttft_p99": 1200}] * 3),
         ),
     )
-    answer = advice(evidence)
-    assert (answer.category, answer.category.status) == (DEPENDS, 7)
-    text = "\n".join(answer.lines)
+    text = _answered(evidence, DEPENDS, 7)
     assert text.startswith("Recommendation: DEPENDS ON gather_ms")
     assert "With gather 0.213 ms/step: NO DIFFERENCE." in text
     assert "The gate never froze (0.0% of steps on every seed)" in text
@@ -208,9 +213,7 @@ def test_case_dp2_calibrated_depends_on_the_gather_cost():
             _sensitivity("gather_ms", "gather 15.6 ms/step (given x 3)", *[{"tok": 1500}] * 3),
         ),
     )
-    answer = advice(evidence)
-    assert (answer.category, answer.category.status) == (DEPENDS, 7)
-    text = "\n".join(answer.lines)
+    text = _answered(evidence, DEPENDS, 7)
     assert "With the step model as given: DO NOT ENABLE. Worse: " in text
     assert "With gather 1.74 ms/step (given / 3): NO DIFFERENCE." in text
     assert "Measure gather_ms before deciding:" in text and "vllm:balance_gathers_total" in text
@@ -223,9 +226,7 @@ def test_seeds_on_both_sides_of_zero_are_unclear_not_no_difference():
     evidence = _evidence(
         _vs_off({"ttft_p50": 160}, {"ttft_p50": 276}, {"ttft_p50": 196}), frozen_on=(0.83,) * 3
     )
-    answer = advice(evidence)
-    assert (answer.category, answer.category.status) == (SEEDS_DISAGREE, 6)
-    text = "\n".join(answer.lines)
+    text = _answered(evidence, SEEDS_DISAGREE, 6)
     assert "NO DIFFERENCE" not in text and "seeds -20.0..+38.0%" in text
 
 
@@ -234,9 +235,8 @@ def test_no_difference_only_where_nothing_moves_and_the_step_model_agrees():
     evidence = _evidence(
         _vs_off(*flat), sensitivity=(_sensitivity("gather_ms", "gather 1.92 ms/step", *flat),)
     )
-    answer = advice(evidence)
-    assert (answer.category, answer.category.status) == (NO_DIFFERENCE, 4)
-    assert "The verdict holds over this range" in "\n".join(answer.lines)
+    text = _answered(evidence, NO_DIFFERENCE, 4)
+    assert "The verdict holds over this range" in text
 
 
 def test_enable_names_the_key_and_what_it_rests_on():
@@ -246,9 +246,7 @@ def test_enable_names_the_key_and_what_it_rests_on():
         queue_growth={"off": (0.2, 0.25, 0.17), "on": (0.0, 0.01, 0.0)},
         sensitivity=(_sensitivity("gather_ms", "gather 1.92 ms/step", *better),),
     )
-    answer = advice(evidence)
-    assert (answer.category, answer.category.status) == (ENABLE, 0)
-    text = "\n".join(answer.lines)
+    text = _answered(evidence, ENABLE, 0)
     assert '(additional_config {"enable_balance_scheduling": true})' in text
     assert "off's backlog grew on 3 of 3 seeds (by +17.0%..+25.0% of the second half's" in text
     assert "off is overloaded at this load" in text and "Throughput measures capacity" in text
@@ -263,7 +261,7 @@ def test_the_bounded_hold_is_labelled_simulated_only():
 
 
 def test_a_verdict_with_steady_queues_says_the_numbers_do_not_grow_with_the_run():
-    text = _text(_evidence(_vs_off(*[{"ttft_p50": 300}] * 3)))
+    text = _answered(_evidence(_vs_off(*[{"ttft_p50": 300}] * 3)), DO_NOT_ENABLE, 3)
     assert text.startswith("Recommendation: DO NOT ENABLE")
     assert "stayed steady over the run on every seed" in text
 
@@ -331,4 +329,3 @@ def test_issue_34_cases_as_run(argv, model, expected, tmp_path, capsys):
         f"Exit status {expected.status}: {expected.word}",
     ), out
     assert "What this rests on:" in out
-
