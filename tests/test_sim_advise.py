@@ -62,6 +62,7 @@ def _sensitivity(term: str, label: str, *per_seed: dict) -> Sensitivity:
 def _evidence(on_vs_off, **fields) -> Evidence:
     values = dict(
         hold="bounded-hold:8",
+        load=1.0,
         gather_ms=0.64,
         max_num_seqs=32,
         on_vs_off=on_vs_off,
@@ -183,8 +184,9 @@ def test_case_gate_never_froze_says_it_measures_the_gathers_cost_alone():
     a third of the gather: the verdict depends on the gather's cost, and says why."""
     evidence = _evidence(
         _vs_off({"ttft_p99": 1067}, {"ttft_p99": 1085}, {"ttft_p99": 1075}),
+        load=1.2,
         frozen_on=(0.0, 0.0, 0.0),
-        fullest_rank_off=27,
+        fullest_rank_off=31,
         sensitivity=(
             _sensitivity("gather_ms", "gather 0.213 ms/step", *[{"ttft_p99": 1025}] * 3),
             _sensitivity("gather_ms", "gather 1.92 ms/step", *[{"ttft_p99": 1200}] * 3),
@@ -194,8 +196,17 @@ def test_case_gate_never_froze_says_it_measures_the_gathers_cost_alone():
     assert text.startswith("Recommendation: DEPENDS ON gather_ms")
     assert "With gather 0.213 ms/step: NO DIFFERENCE." in text
     assert "The gate never froze (0.0% of steps on every seed)" in text
-    assert "off's fullest rank ran 27" in text
+    assert "off's fullest rank ran 31" in text
     assert "the gather's own cost (0.64 ms/step) alone" in text
+    assert "At 1.20x offered load a longer run (--num-requests) may reach the cap" in text
+
+
+def test_a_gate_that_never_froze_below_the_knee_has_nothing_to_do():
+    """docs/results.md's 0.6x scenario: NO DIFFERENCE, and why."""
+    flat = [{"ttft_p99": 1013}, {"ttft_p99": 1009}, {"ttft_p99": 1019}]
+    evidence = _evidence(_vs_off(*flat), load=0.6, frozen_on=(0.0,) * 3, fullest_rank_off=18)
+    text = _answered(evidence, NO_DIFFERENCE, 4)
+    assert "At 0.60x offered load the ranks stay below the cap: the gate has nothing" in text
 
 
 def test_case_dp2_calibrated_depends_on_the_gather_cost():

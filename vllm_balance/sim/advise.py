@@ -209,6 +209,7 @@ class Evidence:
     """Everything the answer rests on, from the runs (a test builds it from summaries)."""
 
     hold: str  # the bounded-hold policy, "bounded-hold:K"
+    load: float  # offered load, a multiple of dp x max_num_seqs in flight (runner.offered_load)
     gather_ms: float  # the gather's cost per step at this DP, as given
     max_num_seqs: int
     on_vs_off: tuple[Change, ...]
@@ -320,8 +321,14 @@ def basis(e: Evidence) -> list[str]:
             f"The gate never froze (0.0% of steps on every seed): no rank was at the cap "
             f"({e.max_num_seqs}) after any step (off's fullest rank ran {e.fullest_rank_off}), "
             f"so on admitted as off does, and the changes above are the gather's own cost "
-            f"({e.gather_ms:g} ms/step) alone. What the gate does where ranks reach the cap needs "
-            "a run that reaches it (more --num-requests or a higher load)."
+            f"({e.gather_ms:g} ms/step) alone. "
+            + (
+                f"At {e.load:.2f}x offered load a longer run (--num-requests) may reach the cap: "
+                "this one measured the gather only."
+                if e.load >= 1.0
+                else f"At {e.load:.2f}x offered load the ranks stay below the cap: the gate has "
+                "nothing to do here."
+            )
         )
     else:
         gate = (
@@ -439,7 +446,11 @@ def plan(
 
 
 def gather_evidence(
-    runs: dict[tuple[str, str], list], base: SimOptions, variants: Sequence[Variant], hold: str
+    runs: dict[tuple[str, str], list],
+    base: SimOptions,
+    load: float,
+    variants: Sequence[Variant],
+    hold: str,
 ) -> Evidence:
     """The evidence from the runs, keyed as :func:`plan` keys them."""
     from vllm_balance.sim.metrics import fullest_rank, queue_growth
@@ -459,6 +470,7 @@ def gather_evidence(
         )
     return Evidence(
         hold=hold,
+        load=load,
         gather_ms=base.step_model.gather_cost_ms(base.dp_size),
         max_num_seqs=base.max_num_seqs,
         on_vs_off=tuple(changes(off, on)),
@@ -531,7 +543,7 @@ def advise(
         f"{min(processes, len(keyed))} process(es)"
     )
     _print_means({p: [run.summary for run in runs[("", p)]] for p in policies}, policies)
-    evidence = gather_evidence(runs, base, variants, hold)
+    evidence = gather_evidence(runs, base, load, variants, hold)
     _print_changes(evidence)
     print()
     unfinished = sorted(
