@@ -1,19 +1,18 @@
 """Take-over mode: this package next to vllm-ascend's own balance patch (vllm_balance/takeover.py).
 
-vllm-ascend cannot be imported on CPU; ``tests/ascend_standin/`` performs its balance patch's name
-swaps (and DyntraLB's wrapper on top) in the same order, with the real lines named next to each.
-It is a distribution with vllm-ascend's general-plugin entry points, so vLLM's own
-``load_general_plugins()`` loads it, before or after this package depending on ``sys.path``
-(both orders below). Engine-core processes are started the way vLLM's launcher starts them
-(``engine_probe.launch_engine_core``, fork and spawn; the full launcher in
-``test_full_launcher_*``) and report what they built and where vLLM's names point.
+Run against vllm-ascend's own released source (``tests/vllm_ascend_standin.py``: the release of
+``pins/vllm-ascend.txt`` that targets the installed vLLM; elsewhere these tests skip with that
+reason). vLLM's own ``load_general_plugins()`` loads vllm-ascend's plugins, which apply all of its
+platform patches, before or after this package depending on ``sys.path`` (both orders below).
+Every case is an engine core started the way vLLM's launcher starts it
+(``engine_probe.launch_engine_core``): forked from a ``FrontEnd`` that loaded the plugins, or
+spawned; it reports what it built and where vLLM's names point. The test process itself never
+imports vllm-ascend (a second import in one process fails).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -21,29 +20,39 @@ import textwrap
 
 import factories
 import pytest
-import vllm.plugins
-import vllm.v1.core.sched.scheduler as scheduler_module
-import vllm.v1.engine.core as core_module
-from engine_probe import HandshakeProbe, launch_engine_core
-from vllm.v1.engine.core import EngineCoreProc
+from engine_probe import launch_engine_core
 from vllm_ascend_standin import (
     ORDERS,
     OUR_PLUGIN,
-    general_plugin_names,
+    FrontEnd,
+    ProbedTarget,
+    front_end_facts,
+    on_path,
+    prepared_root,
+    release_for_installed_vllm,
+    skip_reason,
     vllm_ascend_in,
-    vllm_ascend_in_this_process,
-    vllm_name_facts,
 )
 
+from vllm.v1.engine.core import EngineCoreProc
+
 from vllm_balance import activation, plugin, registry
-from vllm_balance.config import TAKE_OVER_KEY, balance_options
+from vllm_balance.config import TAKE_OVER_ENV_VAR, TAKE_OVER_KEY, balance_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NESTED = {"scheduler_config": {"enable_balance_scheduling": True}}
 ENABLED = {"enable_balance_scheduling": True}
-TAKE_OVER = {**ENABLED, TAKE_OVER_KEY: True}
+# vllm-ascend >= 0.27.1rc1 refuses additional_config keys it does not know (extra="forbid"), ours
+# included: the opt-in comes from the environment (the key is tested without vllm-ascend).
+TAKE_OVER = NESTED
 VLLM_RUN_ENGINE_CORE = "vllm.v1.engine.core.EngineCoreProc.run_engine_core"
 OUR_RUN_ENGINE_CORE = "vllm_balance.activation.balance_run_engine_core"
 ASCEND_SCHEDULER = "vllm_ascend.patch.platform.patch_balance_schedule.BalanceScheduler"
+TAKE_OVER_LINE = (
+    f"balance scheduling takes over from vllm-ascend's own balance patch ({TAKE_OVER_KEY}): "
+    "vLLM's Scheduler, AsyncScheduler, DPEngineCoreProc and run_engine_core restored (were: "
+    f"vllm.v1.core.sched.scheduler.Scheduler -> {ASCEND_SCHEDULER}; "
+)
 
 
 def dp_config(additional_config, **kwargs):
@@ -52,12 +61,36 @@ def dp_config(additional_config, **kwargs):
     )
 
 
-@pytest.fixture(params=ORDERS)
-def ascend(request):
-    """vllm-ascend's plugins and ours loaded by vLLM's loader in this process, in both orders."""
-    with vllm_ascend_in_this_process(request.param):
-        vllm.plugins.load_general_plugins()
-        yield request.param
+@pytest.fixture(scope="module")
+def vllm_ascend_root():
+    """The vllm-ascend release for the installed vLLM, unpacked and ready to import."""
+    pin = release_for_installed_vllm()
+    if pin is None:
+        pytest.skip(skip_reason())
+    return prepared_root(pin.release, pin.vllm)
+
+
+@pytest.fixture
+def fork_engine_core(vllm_ascend_root, forked_probe, monkeypatch):
+    """Start a fork engine core behind a ``FrontEnd``; returns (front end facts, engine core
+    report). ``opt_in``: the take-over opt-in in the environment. A refusing engine core raises
+    ``AssertionError`` ("without a probe report")."""
+
+    def start(order, additional_config, config_kwargs=None, opt_in=True, **front_end):
+        if opt_in:
+            monkeypatch.setenv(TAKE_OVER_ENV_VAR, "1")
+        config = dp_config(additional_config, **(config_kwargs or {}))
+        target = FrontEnd(order, str(vllm_ascend_root), forked_probe, **front_end)
+        result = launch_engine_core("fork", config, forked_probe, target=target)
+        return front_end_facts(forked_probe), result
+
+    return start
+
+
+def logged(capfd) -> str:
+    """What the children wrote (a refusing child's traceback is on stderr)."""
+    captured = capfd.readouterr()
+    return captured.out + captured.err
 
 
 def assert_vllm_names_restored_under_ours(names):
@@ -73,85 +106,197 @@ def assert_balance_classes_built(report):
     assert not vllm_ascend_in(report["engine_core_mro"] + report["scheduler_mro"]), report
 
 
-# The front end, in this process
+def assert_vllm_ascend_alone(report):
+    """vllm-ascend's patch decided alone: its wrapper kept vLLM's DPEngineCoreProc (balance off)
+    and its Scheduler swap is in place."""
+    assert report["engine_core"] == "DPEngineCoreProc", report
+    assert report["scheduler_cls"] is None, report
+    assert report["names"]["Scheduler"] == ASCEND_SCHEDULER, report
 
 
-def test_vllm_loads_the_plugins_in_the_order_asked_for(ascend):
-    names = general_plugin_names()
-    ours, theirs = names.index(OUR_PLUGIN), names.index("ascend_kv_connector")
-    assert (ours > theirs) if ascend == "ascend-first" else (ours < theirs), names
+# The front end: plugin order, and what balance off leaves
 
 
-def test_our_wrapper_is_outermost_whatever_the_plugin_order(ascend):
+@pytest.mark.parametrize("order", ORDERS)
+def test_our_wrapper_is_outermost_whatever_the_plugin_order_and_balance_off_is_vllm_ascends(
+    fork_engine_core, order
+):
     """The launcher's target is what is on top: ours must be there for the take-over to run."""
-    reach = vllm_name_facts()["run_engine_core_reach"]
-    assert reach[0] == OUR_RUN_ENGINE_CORE, reach
+    front, result = fork_engine_core(order, {})
+    plugins = front["plugins"]
+    ours, theirs = plugins.index(OUR_PLUGIN), plugins.index("ascend_kv_connector")
+    assert (ours > theirs) if order == "ascend-first" else (ours < theirs), plugins
+    reach = front["names"]["run_engine_core_reach"]
+    assert reach[0] == OUR_RUN_ENGINE_CORE and reach[-1] == VLLM_RUN_ENGINE_CORE, reach
     assert vllm_ascend_in(reach), reach  # vllm-ascend's wrappers are still below ours
-    assert vllm_name_facts()["Scheduler"] == ASCEND_SCHEDULER
+    assert front["names"]["Scheduler"] == ASCEND_SCHEDULER
+    assert_vllm_ascend_alone(result)
 
 
-def test_without_the_opt_in_the_refusal_names_it(ascend):
-    with pytest.raises(ValueError) as excinfo:
-        activation.activate_for(dp_config(ENABLED))
-    message = str(excinfo.value)
-    assert message.startswith(
+# Take-over in engine cores, fork and spawn, both plugin orders
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_fork_engine_core_takes_over_and_initialises_ascend_config(fork_engine_core, order):
+    front, result = fork_engine_core(order, TAKE_OVER)
+    assert_balance_classes_built(result)
+    assert_vllm_names_restored_under_ours(result["names"])
+    # What vllm-ascend's removed code did in this process: other vllm-ascend code reads it.
+    assert result["names"]["ascend_config"] == {"enable_balance_scheduling": True}, result
+    [line] = [x for x in result["names"]["balance_log"] if "takes over" in x]
+    assert TAKE_OVER_LINE in line, line
+
+
+TAKEN_OVER = {
+    "vllm.v1.core.sched.scheduler.Scheduler",
+    "vllm.v1.core.sched.async_scheduler.AsyncScheduler",
+    "vllm.v1.engine.core.DPEngineCoreProc",
+    "vllm.v1.engine.core.EngineCoreProc.run_engine_core",
+}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_take_over_removes_its_four_names_and_keeps_every_other_vllm_ascend_patch(
+    fork_engine_core, order
+):
+    """vllm-ascend patches a few dozen vLLM names (config validators, KV-cache planning, pp-MTP,
+    profiling chunk, ...): the take-over gives back exactly the four of its balance patch."""
+    front, result = fork_engine_core(order, TAKE_OVER)
+    assert_balance_classes_built(result)
+    before = set(front["names"]["vllm_ascend_patches"])
+    after = set(result["names"]["vllm_ascend_patches"])
+    assert {p.split(" -> ")[0] for p in before - after} <= TAKEN_OVER, before - after
+    assert {p.split(" -> ")[0] for p in after - before} == set(), after - before
+    assert len(before - after) >= 1 and len(after) >= 5, (before, after)  # Scheduler at least
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_spawn_engine_core_takes_over_and_vllm_names_stay_restored_after_its_plugins_load(
+    vllm_ascend_root, tmp_path, monkeypatch, order
+):
+    """A fresh interpreter loads vllm-ascend's plugins only inside ``EngineCore.__init__``, after
+    ``run_engine_core`` chose the engine core: our wrapper (the launcher's target, pickled by
+    name) applies them first, so that the take-over sees them and loading them later changes
+    nothing. The test process loads only ours."""
+    monkeypatch.setenv(TAKE_OVER_ENV_VAR, "1")
+    registry.uninstall_all()
+    plugin.register()
+    report = str(tmp_path / "report.json")
+    target = ProbedTarget(report, EngineCoreProc.run_engine_core)
+    try:
+        with on_path(order, vllm_ascend_root):
+            result = launch_engine_core("spawn", dp_config(TAKE_OVER), report, target=target)
+    finally:
+        registry.uninstall_all()
+    assert_balance_classes_built(result)
+    assert_vllm_names_restored_under_ours(result["names"])
+    assert result["names"]["ascend_config"] == {"enable_balance_scheduling": True}, result
+
+
+# Refusals and config sources
+
+
+def test_without_the_opt_in_the_engine_core_refuses_naming_it(fork_engine_core, capfd):
+    with pytest.raises(AssertionError, match="without a probe report"):
+        fork_engine_core("ascend-first", NESTED, opt_in=False)
+    err = logged(capfd)
+    assert (
         "balance scheduling is already patched in by vllm-ascend (vllm.v1.core.sched.scheduler."
         f"Scheduler -> {ASCEND_SCHEDULER}; EngineCoreProc.run_engine_core -> vllm_ascend."
+    ) in err
+    assert f"Set {TAKE_OVER_ENV_VAR}=1" in err
+
+
+def test_vllm_ascend_refuses_this_packages_additional_config_keys(fork_engine_core, capfd):
+    """Why the opt-in comes from the environment: vllm-ascend validates ``additional_config``
+    with ``extra="forbid"`` (0.27.1rc1, 0.30.0rc2), so its own ``init_ascend_config`` fails on
+    any key of this package (here in the engine core; on an NPU host its platform already fails
+    in the front end)."""
+    with pytest.raises(AssertionError, match="without a probe report"):
+        fork_engine_core("ascend-first", {**NESTED, TAKE_OVER_KEY: True}, opt_in=False)
+    err = logged(capfd)
+    assert f"{TAKE_OVER_KEY}\n  Unexpected keyword argument" in err, err[-2000:]
+
+
+@pytest.mark.parametrize(
+    "key", ["short_request_first_config", "dyntra_lb_config"], ids=["srf", "dyntra-lb"]
+)
+def test_take_over_refuses_to_drop_a_vllm_ascend_feature_it_would_remove(
+    fork_engine_core, capfd, key
+):
+    config = {
+        **TAKE_OVER,
+        "scheduler_config": {"enable_balance_scheduling": True, key: {"enabled": True}},
+    }
+    with pytest.raises(AssertionError, match="without a probe report"):
+        fork_engine_core("ascend-first", config)
+    assert f"{TAKE_OVER_KEY} cannot keep vllm-ascend's {key}" in logged(capfd)
+
+
+def test_dyntra_lb_without_balance_is_left_to_vllm_ascend(fork_engine_core):
+    dyntra_lb = {"scheduler_config": {"dyntra_lb_config": {"enabled": True}}}
+    _, result = fork_engine_core("ascend-first", dyntra_lb)
+    assert result["engine_core"] == "DyntraLBDPEngineCoreProc", result
+    assert result["scheduler_cls"] is None, result
+
+
+@pytest.mark.parametrize(
+    "additional_config",
+    [ENABLED, NESTED],
+    ids=["top-level-key", "nested-key"],
+)
+def test_both_keys_reach_the_take_over_through_ascend_config(fork_engine_core, additional_config):
+    """The front end initialised vllm-ascend's config (as its platform does on an NPU host), so
+    ``AscendConfig`` is what this package reads first in the engine core."""
+    _, result = fork_engine_core("ours-first", additional_config, init_ascend_config=True)
+    assert_balance_classes_built(result)
+    assert result["names"]["ascend_config"] == {"enable_balance_scheduling": True}
+
+
+def test_deprecated_env_var_is_ignored_where_ascend_config_decides(fork_engine_core, monkeypatch):
+    """vllm-ascend no longer reads ``VLLM_ASCEND_BALANCE_SCHEDULING``; its ``AscendConfig``
+    decides here too (off), and says that the variable is ignored."""
+    monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "1")
+    _, result = fork_engine_core("ascend-first", {})
+    assert_vllm_ascend_alone(result)
+    [line] = [x for x in result["names"]["balance_log"] if "VLLM_ASCEND_BALANCE" in x]
+    assert "VLLM_ASCEND_BALANCE_SCHEDULING is ignored: vllm-ascend's AscendConfig decides" in line
+
+
+# Import orders that vllm-ascend's own front end produces
+
+
+def test_async_scheduler_defined_on_vllm_ascends_class_is_rebuilt_for_ours(fork_engine_core):
+    front, result = fork_engine_core(
+        "ascend-first",
+        TAKE_OVER,
+        config_kwargs={"async_scheduling": True},
+        fresh_async_scheduler=True,
     )
-    assert f"Set additional_config.{TAKE_OVER_KEY}=true" in message
-    assert vllm_name_facts()["Scheduler"] == ASCEND_SCHEDULER  # nothing touched
+    assert ASCEND_SCHEDULER in front["names"]["AsyncScheduler_mro"], front
+    assert "vllm.v1.core.sched.async_scheduler.AsyncScheduler" in result["scheduler_mro"]
+    assert_balance_classes_built(result)
+    assert_vllm_names_restored_under_ours(result["names"])
 
 
-def test_take_over_restores_vllm_names_installs_ours_and_logs_one_line(ascend, caplog):
-    config = dp_config(TAKE_OVER)
-    with caplog.at_level(logging.INFO, logger="vllm_balance"):
-        assert activation.activate_for(config) is True
-    assert_vllm_names_restored_under_ours(vllm_name_facts())
-    assert core_module.DPEngineCoreProc.__module__ == "vllm_balance.shim.engine_core"
-    assert config.scheduler_config.scheduler_cls.__module__.startswith("vllm_balance.")
-    [line] = [r.getMessage() for r in caplog.records if "takes over" in r.getMessage()]
-    assert line.startswith(
-        "balance scheduling takes over from vllm-ascend's own balance patch "
-        f"(additional_config.{TAKE_OVER_KEY}=true): vLLM's Scheduler, AsyncScheduler, "
-        f"DPEngineCoreProc and run_engine_core restored (were: vllm.v1.core.sched.scheduler."
-        f"Scheduler -> {ASCEND_SCHEDULER}; "
-    )
+@pytest.mark.parametrize("additional_config", [{}, TAKE_OVER], ids=["balance-off", "take-over"])
+def test_wrapper_below_vllm_ascends_does_not_call_itself(fork_engine_core, additional_config):
+    """Ours installed before vllm-ascend's patches (which then wrap it): no recursion.
+
+    Regression: ours used to call "what is there now" when not on top, i.e. vllm-ascend's
+    wrapper, which calls ours again (RecursionError in every engine core, balance off included).
+    """
+    front, result = fork_engine_core("ascend-first", additional_config, ours_first_installed=True)
+    reach = front["names"]["run_engine_core_reach"]
+    assert reach[-2:] == [OUR_RUN_ENGINE_CORE, VLLM_RUN_ENGINE_CORE], reach
+    if additional_config:
+        assert_balance_classes_built(result)
+        assert_vllm_names_restored_under_ours(result["names"])
+    else:
+        assert_vllm_ascend_alone(result)
 
 
-def vllm_names():
-    return (
-        scheduler_module.Scheduler,
-        core_module.DPEngineCoreProc,
-        EngineCoreProc.__dict__["run_engine_core"],
-    )
-
-
-def test_uninstall_all_after_a_take_over_leaves_exactly_vllm_ascends_names(ascend):
-    registry.uninstall_all()  # our plugin's wrapper off: what vllm-ascend alone has
-    vllm_ascend_alone = vllm_names()
-    plugin.register()
-    activation.activate_for(dp_config(TAKE_OVER))
-    registry.uninstall_all()
-    assert vllm_names() == vllm_ascend_alone
-
-
-def test_every_take_over_patch_is_documented_and_reversible(ascend):
-    for patch in registry.TAKE_OVER_PATCHES:
-        assert all([patch.why, patch.how, patch.related_pr, patch.future_plan]), patch.name
-    replaced = [patch.current() for patch in registry.TAKE_OVER_PATCHES]
-    for patch in registry.TAKE_OVER_PATCHES:
-        patch.install()
-        assert patch.is_installed()
-    for patch in reversed(registry.TAKE_OVER_PATCHES):
-        patch.uninstall()
-    assert [patch.current() for patch in registry.TAKE_OVER_PATCHES] == replaced
-
-
-def test_take_over_refuses_to_drop_vllm_ascends_short_request_first(ascend):
-    srf = {"scheduler_config": {"short_request_first_config": {"enabled": True}}}
-    with pytest.raises(ValueError, match="cannot keep vllm-ascend's short_request_first_config"):
-        activation.activate_for(dp_config({**TAKE_OVER, **srf}))
-    assert vllm_name_facts()["Scheduler"] == ASCEND_SCHEDULER
+# Without vllm-ascend (in this process)
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
@@ -162,105 +307,33 @@ def test_opt_in_must_be_a_boolean(value):
 
 
 def test_opt_in_without_vllm_ascend_warns_that_there_is_nothing_to_take_over(caplog):
+    import logging
+
     try:
         with caplog.at_level(logging.WARNING, logger="vllm_balance"):
-            assert activation.activate_for(dp_config(TAKE_OVER)) is True
+            assert activation.activate_for(dp_config({**ENABLED, TAKE_OVER_KEY: True})) is True
     finally:
         registry.uninstall_all()
-    assert f"{TAKE_OVER_KEY} is set but vllm-ascend's balance patch is not active" in caplog.text
+    assert f"{TAKE_OVER_KEY} (or {TAKE_OVER_ENV_VAR}) is set but vllm-ascend's balance patch is not active" in caplog.text
 
 
-# Engine-core processes started like vLLM's launcher starts them
-
-
-@pytest.mark.parametrize("additional_config", [TAKE_OVER, {}], ids=["take-over", "balance-off"])
-def test_fork_child_takes_over_or_leaves_vllm_ascend_alone(ascend, forked_probe, additional_config):
-    result = launch_engine_core("fork", dp_config(additional_config), forked_probe)
-    if additional_config:
-        assert_balance_classes_built(result)
-        assert_vllm_names_restored_under_ours(result["names"])
-    else:  # vllm-ascend's patch decides alone: its wrapper restored vLLM's DPEngineCoreProc
-        assert result["engine_core"] == "DPEngineCoreProc"
-        assert result["names"]["Scheduler"] == ASCEND_SCHEDULER
-
-
-def test_fork_child_without_the_opt_in_refuses_naming_it(ascend, forked_probe, capfd):
-    with pytest.raises(AssertionError, match="without a probe report"):
-        launch_engine_core("fork", dp_config(ENABLED), forked_probe)
-    assert f"Set additional_config.{TAKE_OVER_KEY}=true" in capfd.readouterr().err
-
-
-def import_async_scheduler_again(monkeypatch):
-    """``AsyncScheduler``'s module first imported after vllm-ascend's swap, as in vllm-ascend's
-    front end: ``platform._check_ascend_config`` imports its recompute scheduler (platform.py
-    L815), which imports ``AsyncScheduler`` (recompute_scheduler.py L31)."""
-    import vllm.v1.core.sched as sched_package
-
-    name = "vllm.v1.core.sched.async_scheduler"
-    monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(sched_package, "async_scheduler", None)
-    return importlib.import_module(name)
-
-
-def test_fork_child_with_async_scheduler_defined_on_vllm_ascends_class_runs_ours(
-    ascend, forked_probe, monkeypatch
-):
-    tainted = import_async_scheduler_again(monkeypatch).AsyncScheduler
-    assert ASCEND_SCHEDULER in [f"{c.__module__}.{c.__qualname__}" for c in tainted.__mro__]
-    result = launch_engine_core("fork", dp_config(TAKE_OVER, async_scheduling=True), forked_probe)
-    # By name: this test process may hold balance classes built on the AsyncScheduler it had
-    # before the re-import (an engine process builds them only after the take-over).
-    assert "vllm.v1.core.sched.async_scheduler.AsyncScheduler" in result["scheduler_mro"]
-    assert_balance_classes_built(result)
-    assert_vllm_names_restored_under_ours(result["names"])
-
-
-@pytest.mark.parametrize("ascend", ["ours-first"], indirect=True)
-def test_spawn_child_takes_over_and_vllm_names_stay_restored_after_its_plugins_load(
-    ascend, tmp_path
-):
-    """A fresh interpreter loads vllm-ascend's plugins only inside ``EngineCore.__init__``, after
-    ``run_engine_core`` chose the engine core: its patches are applied first by our wrapper, so
-    that the take-over sees them and that loading them later changes nothing."""
-    report = str(tmp_path / "report.json")
-    probe = HandshakeProbe(report, load_general_plugins=True)
-    config = dp_config({**TAKE_OVER, "_probe": probe})
-    result = launch_engine_core("spawn", config, report)
-    assert_balance_classes_built(result)
-    assert_vllm_names_restored_under_ours(result["names"])
-
-
-def test_wrapper_below_vllm_ascends_does_not_call_itself(forked_probe):
-    """Ours installed before vllm-ascend's patch (which then wraps it): no recursion, either way.
-
-    Regression: ours used to call "what is there now" when not on top, i.e. vllm-ascend's
-    wrapper, which calls ours again (RecursionError in every engine core, balance off included).
-    """
-    with vllm_ascend_in_this_process("ascend-first"):
-        registry.RUN_ENGINE_CORE_WRAPPER.install()
-        import vllm_ascend.patch.platform  # noqa: F401  (its wrappers now capture ours)
-
-        assert launch_engine_core("fork", dp_config({}), forked_probe)["engine_core"] == (
-            "DPEngineCoreProc"
-        )
-        reach = vllm_name_facts()["run_engine_core_reach"]
-        assert reach[-2:] == [OUR_RUN_ENGINE_CORE, VLLM_RUN_ENGINE_CORE], reach
-        result = launch_engine_core("fork", dp_config(TAKE_OVER), forked_probe)
-        assert_balance_classes_built(result)
-        assert_vllm_names_restored_under_ours(result["names"])
+def test_every_take_over_patch_is_documented():
+    for patch in registry.TAKE_OVER_PATCHES:
+        assert all([patch.why, patch.how, patch.related_pr, patch.future_plan]), patch.name
 
 
 # The full launcher: front end, DP coordinator and engine processes of vLLM's own
 
 
-def run_front_end(order: str, options: dict, method: str) -> dict:
-    """``tests/multiproc/entrypoint.py`` in a fresh interpreter, with the stand-in in ``order``."""
+def run_front_end(root, order: str, options: dict, method: str) -> dict:
+    """``tests/multiproc/entrypoint.py`` in a fresh interpreter, with the release in ``order``."""
     code = textwrap.dedent(
         f"""
         import runpy, sys
+        from pathlib import Path
         sys.path.insert(0, {ROOT!r})
         from tests.vllm_ascend_standin import put_on_path
-        put_on_path({order!r})
+        put_on_path({order!r}, Path({str(root)!r}))
         sys.argv = ["entrypoint", "2", {json.dumps(options)!r}]
         runpy.run_module("tests.multiproc.entrypoint", run_name="__main__")
         """
@@ -274,13 +347,16 @@ def run_front_end(order: str, options: dict, method: str) -> dict:
     return json.loads(lines[-1].removeprefix("ENTRYPOINT-RESULT "))
 
 
-@pytest.mark.slow  # ~1.5 min (fork) and ~4 min (spawn) on the loaded 2-core machine: nox -s soak
+@pytest.mark.slow  # minutes each on the loaded 2-core machine: nox -s takeover -- -m slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "order, method", [("ascend-first", "fork"), ("ours-first", "spawn")], ids=lambda x: x
 )
-def test_full_launcher_engine_processes_run_ours_with_vllm_names_restored(order, method):
-    result = run_front_end(order, {"additional_config": {TAKE_OVER_KEY: True}}, method)
+def test_full_launcher_engine_processes_run_ours_with_vllm_names_restored(
+    vllm_ascend_root, monkeypatch, order, method
+):
+    monkeypatch.setenv(TAKE_OVER_ENV_VAR, "1")
+    result = run_front_end(vllm_ascend_root, order, {"additional_config": TAKE_OVER}, method)
     assert result["tokens"] == result["expected"]
     assert [facts["dp_rank"] for facts in result["facts"]] == [0, 1]
     for facts in result["facts"]:

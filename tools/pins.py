@@ -62,3 +62,31 @@ def read_pin(name: str, path: Path | None = None) -> Pin:
         raise PinError(f"pin file {path}: {requirement!r} is not a requirement for {distribution}")
     exact = re.match(rf"^{re.escape(distribution)}\s*==\s*(?P<version>[^\s;#]+)$", requirement)
     return Pin(name, path, requirement, exact.group("version") if exact else None)
+
+
+VLLM_ASCEND_PINS = PINS_DIR / "vllm-ascend.txt"
+_ASCEND_LINE = re.compile(r"^vllm-ascend==(?P<release>\S+)\s+vllm==(?P<vllm>\S+)$")
+
+
+@dataclass(frozen=True)
+class AscendPin:
+    """A vllm-ascend release whose source the take-over tests run, and the vLLM it targets."""
+
+    release: str
+    vllm: str
+
+
+def read_vllm_ascend_pins(path: Path = VLLM_ASCEND_PINS) -> list[AscendPin]:
+    """pins/vllm-ascend.txt: one "vllm-ascend==X vllm==Y" per non-comment line."""
+    pins = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _ASCEND_LINE.match(line)
+        if match is None:
+            raise PinError(f"pin file {path}: {line!r} is not 'vllm-ascend==X vllm==Y'")
+        pins.append(AscendPin(match["release"], match["vllm"]))
+    if not pins:
+        raise PinError(f"pin file {path} names no vllm-ascend release")
+    return pins

@@ -84,22 +84,23 @@ class RunError(RuntimeError):
     pass
 
 
-def vllm_index() -> dict:
-    """vLLM's page of the package index in PEP 691's JSON form: its ``files`` and ``versions``."""
+def vllm_index(package: str = "vllm") -> dict:
+    """A package's page of the index in PEP 691's JSON form: its ``files`` and ``versions``."""
     request = urllib.request.Request(
-        f"{INDEX}/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+        f"{INDEX}/{package}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
     )
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.load(response)
 
 
-def fetch_sdist(version: str) -> Path:
-    """The cached sdist of vLLM ``version``, downloaded from the index on first use."""
+def fetch_sdist(version: str, package: str = "vllm") -> Path:
+    """The cached sdist of ``package`` ``version``, downloaded from the index on first use (also
+    vllm-ascend's: the take-over tests run its source, ``tests/vllm_ascend_standin.py``)."""
     CACHE.mkdir(parents=True, exist_ok=True)
-    target = CACHE / f"vllm-{version}.tar.gz"
+    target = CACHE / f"{package.replace('-', '_')}-{version}.tar.gz"
     if target.exists():
         return target
-    entry = next((f for f in vllm_index()["files"] if f["filename"] == target.name), None)
+    entry = next((f for f in vllm_index(package)["files"] if f["filename"] == target.name), None)
     if entry is None:
         raise RunError(f"the index has no {target.name}")
     digest = hashlib.sha256()

@@ -20,11 +20,17 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_balance import registry
-from vllm_balance.config import TAKE_OVER_KEY, balance_enabled, balance_options
+from vllm_balance.config import (
+    TAKE_OVER_ENV_VAR,
+    TAKE_OVER_KEY,
+    balance_enabled,
+    balance_options,
+)
 from vllm_balance.log import logger
 from vllm_balance.registry import DP_ENGINE_CORE_SWAP, RUN_ENGINE_CORE_WRAPPER
 from vllm_balance.takeover import (
     import_vllm_ascend_patches,
+    init_vllm_ascend_config,
     is_vllm_ascend,
     run_engine_core_reach,
     take_over,
@@ -74,7 +80,13 @@ def balance_applies(vllm_config: Any) -> bool:
     Warnings (balance requested but it cannot act, so nothing is installed) and errors are the
     operator-facing validation table of docs/operations.md.
     """
-    if vllm_config is None or not balance_enabled(vllm_config):
+    if vllm_config is None:
+        return False
+    import_vllm_ascend_patches()  # wherever plugin order put them: check the final state
+    foreign = _foreign_balance_patches()
+    if foreign:  # vllm-ascend's own code initialises it in this process, whichever decides
+        init_vllm_ascend_config(vllm_config)
+    if not balance_enabled(vllm_config):
         return False
     role = _kv_role(vllm_config)
     if role in ("kv_producer", "kv_consumer"):
@@ -82,16 +94,14 @@ def balance_applies(vllm_config: Any) -> bool:
             "balance scheduling supports PD-mixed mode only; kv_transfer_config.kv_role="
             f"{role!r} (PD-disaggregated) cannot enable enable_balance_scheduling"
         )
-    import_vllm_ascend_patches()  # wherever plugin order put them: check the final state
-    foreign = _foreign_balance_patches()
     if foreign and not balance_options(vllm_config).take_over_vllm_ascend:
         raise BalanceConfigError(
             "balance scheduling is already patched in by vllm-ascend ("
             + "; ".join(foreign)
-            + "): refusing a second activation. Set additional_config."
-            f"{TAKE_OVER_KEY}=true to restore vLLM's names and run vllm-balance-scheduling "
-            "instead (docs/operations.md, 'With vllm-ascend on Ascend'), or do not install "
-            "vllm-balance-scheduling with this vllm-ascend"
+            + f"): refusing a second activation. Set {TAKE_OVER_ENV_VAR}=1 (or additional_config."
+            f"{TAKE_OVER_KEY}=true where vllm-ascend accepts the key) to restore vLLM's names and "
+            "run vllm-balance-scheduling instead (docs/operations.md, 'With vllm-ascend on "
+            "Ascend'), or do not install vllm-balance-scheduling with this vllm-ascend"
         )
     parallel_config = vllm_config.parallel_config
     if parallel_config.data_parallel_size <= 1:
@@ -171,9 +181,10 @@ def _take_over_if_requested(vllm_config: Any) -> None:
     if not foreign:
         if balance_options(vllm_config).take_over_vllm_ascend:
             logger.warning(
-                "%s is set but vllm-ascend's balance patch is not active in this process: "
-                "nothing to take over (remove the key)",
+                "%s (or %s) is set but vllm-ascend's balance patch is not active in this "
+                "process: nothing to take over (remove it)",
                 TAKE_OVER_KEY,
+                TAKE_OVER_ENV_VAR,
             )
         return
     take_over(vllm_config, foreign)

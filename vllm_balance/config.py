@@ -2,7 +2,8 @@
 
 Sources, first match wins:
 1. vllm-ascend's ``AscendConfig`` when that package is importable and initialised (on Ascend it is
-   the primary source and already folds in vllm-ascend's own deprecated env var handling);
+   the primary source; vllm-ascend 0.27.1rc1 and 0.30.0rc2 no longer read the env var below, so
+   where ``AscendConfig`` decides the env var is ignored, with a warning saying so);
 2. ``additional_config.scheduler_config.enable_balance_scheduling`` (the nested form newer
    vllm-ascend uses), which wins over
 3. ``additional_config.enable_balance_scheduling``;
@@ -96,11 +97,19 @@ def _from_deprecated_env() -> Any:
 
 def balance_enabled(vllm_config: Any) -> bool:
     """Whether balance scheduling is requested for this config (see the module docstring)."""
-    for source in (
-        _from_ascend_config,
-        lambda: _from_additional_config(vllm_config),
-        _from_deprecated_env,
-    ):
+    value = _from_ascend_config()
+    if value is not _UNSET:
+        if os.environ.get(DEPRECATED_ENV_VAR) is not None:
+            logger.warning(
+                "%s is ignored: vllm-ascend's AscendConfig decides (%s=%r); set "
+                "additional_config.scheduler_config.%s instead",
+                DEPRECATED_ENV_VAR,
+                ENABLE_KEY,
+                value,
+                ENABLE_KEY,
+            )
+        return _checked_bool(ENABLE_KEY, value)
+    for source in (lambda: _from_additional_config(vllm_config), _from_deprecated_env):
         value = source()
         if value is not _UNSET:
             return _checked_bool(ENABLE_KEY, value)
@@ -110,6 +119,7 @@ def balance_enabled(vllm_config: Any) -> bool:
 LOG_INTERVAL_KEY = "balance_log_interval_s"
 MAX_FROZEN_STEPS_KEY = "balance_max_frozen_steps"
 TAKE_OVER_KEY = "balance_take_over_vllm_ascend"
+TAKE_OVER_ENV_VAR = "VLLM_BALANCE_TAKE_OVER_VLLM_ASCEND"
 GATHER_WARN_KEY = "balance_gather_warn_s"
 COLLECTIVE_KEY = "balance_collective"
 # The contract's all_gather (default), or the opt-in log-depth reduction (shim/collective.py).
@@ -131,6 +141,7 @@ class BalanceOptions:
     max_frozen_steps: int | None = None
     # Opt-in take-over: where vllm-ascend's own balance patch is active, restore the vLLM names
     # it replaced and run this package instead (vllm_balance.takeover). Off: refuse, as always.
+    # The key, else the environment variable (vllm-ascend >= 0.27.1rc1 refuses unknown keys).
     take_over_vllm_ascend: bool = False
     # Seconds one gather may wait before the gather watchdog logs an error; None turns the
     # watchdog off (key set to 0).
@@ -138,6 +149,21 @@ class BalanceOptions:
     # The per-step collective: the contract's all_gather of every rank's count, or the opt-in
     # log2-depth reduction of max/min/sum (docs/scaling.md; the gate decision is the same).
     collective: str = ALL_GATHER
+
+
+def _take_over_from_env() -> bool:
+    """``VLLM_BALANCE_TAKE_OVER_VLLM_ASCEND``: the take-over opt-in where the key cannot be used.
+
+    vllm-ascend 0.27.1rc1 and later validate ``additional_config`` with ``extra="forbid"``: any
+    key it does not know, this package's included, fails its ``init_ascend_config`` at start-up.
+    """
+    raw = os.environ.get(TAKE_OVER_ENV_VAR)
+    if raw is None:
+        return False
+    normalized = raw.strip().lower()
+    if normalized not in _ENV_TRUE | _ENV_FALSE:
+        raise ValueError(f"{TAKE_OVER_ENV_VAR} must be 0/1/true/false, got {raw!r}")
+    return normalized in _ENV_TRUE
 
 
 def _seconds_or_off(vllm_config: Any, key: str, default: float, zero_means: str) -> float | None:
@@ -168,7 +194,7 @@ def balance_options(vllm_config: Any) -> BalanceOptions:
     elif isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
         raise ValueError(f"{where} must be an integer >= 1 (or unset for no bound), got {bound!r}")
     where, take_over = _additional_value(vllm_config, TAKE_OVER_KEY)
-    take_over = False if take_over is _UNSET else _checked_bool(where, take_over)
+    take_over = _take_over_from_env() if take_over is _UNSET else _checked_bool(where, take_over)
     where, collective = _additional_value(vllm_config, COLLECTIVE_KEY)
     if collective is _UNSET:
         collective = ALL_GATHER

@@ -21,6 +21,13 @@ spawned engine core, inside ``EngineCore.__init__``, after ``run_engine_core`` c
 engine-core class. ``import_vllm_ascend_patches()`` applies them first (what vllm-ascend's own
 ``adapt_patch(is_global_patch=True)`` does; idempotent), so that what this package checks,
 restores and stacks its wrapper on is the final state, whatever the order.
+
+What vllm-ascend's removed code did besides balance is done here or refused: its
+``AscendConfig`` is initialised in the engine core (``init_vllm_ascend_config``, as its
+``BalanceScheduler.__init__`` did up to 0.27.1rc1 and its ``run_engine_core`` wrapper does from
+0.30.0rc2; other vllm-ascend code calls ``get_ascend_config()`` there), and the features that live
+in what the take-over removes (ShortRequestFirst's queue, DyntraLB's engine core) are refused.
+Tested against vllm-ascend's own released source: ``tests/test_takeover.py``.
 """
 
 from __future__ import annotations
@@ -39,8 +46,15 @@ VLLM_ASCEND = "vllm_ascend"
 # vllm_ascend/utils.py adapt_patch(is_global_patch=True) imports this package; its __init__
 # imports every platform patch, patch_balance_schedule and patch_dyntra_lb_core among them.
 VLLM_ASCEND_PLATFORM_PATCHES = "vllm_ascend.patch.platform"
+VLLM_ASCEND_CONFIG = "vllm_ascend.ascend_config"
 VLLM_RUN_ENGINE_CORE = ("vllm.v1.engine.core", "EngineCoreProc.run_engine_core")
 SHORT_REQUEST_FIRST_KEY = "short_request_first_config"
+DYNTRA_LB_KEY = "dyntra_lb_config"
+# vllm-ascend features whose code sits in what the take-over removes: (key, what is lost).
+_LOST_WITH_THE_TAKE_OVER = {
+    SHORT_REQUEST_FIRST_KEY: "installs its waiting queue in the BalanceScheduler",
+    DYNTRA_LB_KEY: "swaps in its engine core from the run_engine_core wrapper",
+}
 
 _platform_patch_failures: set[str] = set()
 _rebuilt_async_schedulers: dict[type, type] = {}
@@ -160,24 +174,45 @@ def vllm_run_engine_core() -> Any:
     )
 
 
-def short_request_first_enabled(vllm_config: Any) -> bool:
-    """vllm-ascend's ``short_request_first_config.enabled`` (nested form wins, as in its config)."""
-    _, value = _additional_value(vllm_config, SHORT_REQUEST_FIRST_KEY)
+def vllm_ascend_feature_enabled(vllm_config: Any, key: str) -> bool:
+    """vllm-ascend's ``<key>.enabled`` (nested form wins, as in its config)."""
+    _, value = _additional_value(vllm_config, key)
     return isinstance(value, dict) and value.get("enabled") is True
+
+
+def init_vllm_ascend_config(vllm_config: Any) -> None:
+    """vllm-ascend's ``init_ascend_config(vllm_config)`` in this engine core, as its own code does.
+
+    Its balance patch did it in every engine core (0.27.1rc1: ``BalanceScheduler.__init__``, the
+    scheduler of every process after its swap; 0.30.0rc2: first thing in its ``run_engine_core``
+    wrapper); vllm-ascend's other code reads ``get_ascend_config()`` afterwards and raises
+    ``RuntimeError`` when nothing initialised it. Called before this package reads its own
+    config, so that it reads what vllm-ascend reads (``AscendConfig`` first).
+    """
+    if importlib.util.find_spec(VLLM_ASCEND) is None:
+        return
+    try:
+        module = importlib.import_module(VLLM_ASCEND_CONFIG)
+    except ImportError as exc:
+        raise TakeOverError(
+            f"vllm-ascend's balance patch is active but {VLLM_ASCEND_CONFIG} cannot be imported "
+            f"({exc}): its AscendConfig cannot be initialised in the engine core"
+        ) from exc
+    module.init_ascend_config(vllm_config)
 
 
 def take_over(vllm_config: Any, foreign: list[str]) -> None:
     """Give vLLM its objects back (reversibly) and put our wrapper on top; log one line.
 
-    ``foreign`` is what ``activation._foreign_balance_patches()`` found; the caller checks that
-    nothing is left afterwards.
+    ``foreign`` is what ``activation._foreign_balance_patches()`` found; the caller initialised
+    vllm-ascend's config (``init_vllm_ascend_config``) and checks that nothing is left afterwards.
     """
-    if short_request_first_enabled(vllm_config):
-        raise TakeOverError(
-            f"{TAKE_OVER_KEY} cannot keep vllm-ascend's {SHORT_REQUEST_FIRST_KEY}: vllm-ascend "
-            "installs its waiting queue in the BalanceScheduler that the take-over removes. "
-            f"Disable {SHORT_REQUEST_FIRST_KEY} or the take-over"
-        )
+    for key, lost in _LOST_WITH_THE_TAKE_OVER.items():
+        if vllm_ascend_feature_enabled(vllm_config, key):
+            raise TakeOverError(
+                f"{TAKE_OVER_KEY} cannot keep vllm-ascend's {key}: vllm-ascend {lost} that the "
+                f"take-over removes. Disable {key} or the take-over"
+            )
     # Ours may sit on top of vllm-ascend's wrapper: take it off so that theirs is what the
     # take-over replaces, then put it back on vLLM's function.
     RUN_ENGINE_CORE_WRAPPER.uninstall()
@@ -185,9 +220,8 @@ def take_over(vllm_config: Any, foreign: list[str]) -> None:
         patch.install()
     RUN_ENGINE_CORE_WRAPPER.install()
     logger.info(
-        "balance scheduling takes over from vllm-ascend's own balance patch "
-        "(additional_config.%s=true): vLLM's Scheduler, AsyncScheduler, DPEngineCoreProc and "
-        "run_engine_core restored (were: %s)",
+        "balance scheduling takes over from vllm-ascend's own balance patch (%s): vLLM's "
+        "Scheduler, AsyncScheduler, DPEngineCoreProc and run_engine_core restored (were: %s)",
         TAKE_OVER_KEY,
         "; ".join(foreign),
     )
