@@ -11,6 +11,7 @@ installed by hand. Versions are read from the pin files at run time (tools/pins.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ import nox
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tools"))
-from pins import PIN_NAMES, PinError, read_pin  # noqa: E402
+from pins import PIN_NAMES, PinError, read_pin, read_vllm_ascend_pins  # noqa: E402
 
 nox.options.sessions = [
     "lint",
@@ -178,6 +179,31 @@ def ascend(session: nox.Session) -> None:
     # its synchronize) and refuse to start without a visible NPU, so a pass is Ascend evidence.
     session.env["VLLM_BALANCE_REQUIRE_NPU"] = "1"
     session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-m", "not slow")
+
+
+@nox.session
+def takeover(session: nox.Session) -> None:
+    """Take-over and the vllm-ascend series against vllm-ascend's own released source: each
+    release in pins/vllm-ascend.txt on the vLLM it targets (pytest arguments after --).
+
+    The release-tag venv; the target release's wheel shadows its vLLM (as in `nox -s reach`). A
+    test session whose pinned vLLM is such a target runs the same tests by itself.
+    """
+    install_pinned_vllm(session, "release-tag")
+    sys.path.insert(0, str(ROOT / "upstream_patch"))
+    from seam_patch import shadowing, unpacked_release
+
+    for pin in read_vllm_ascend_pins():
+        session.log(f"vllm-ascend {pin.release} on vLLM {pin.vllm}")
+        _, tree = unpacked_release(pin.vllm)
+        try:
+            session.run(
+                "python", "-m", "pytest", "-p", "no:cacheprovider", "-m", "not slow",
+                "tests/test_takeover.py", "tests/test_vllm_ascend_series.py", *session.posargs,
+                env={"PYTHONPATH": shadowing(tree)["PYTHONPATH"]},
+            )  # fmt: skip
+        finally:
+            shutil.rmtree(tree, ignore_errors=True)
 
 
 def install_reach(session: nox.Session) -> None:

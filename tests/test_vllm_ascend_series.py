@@ -1,50 +1,56 @@
 """The vllm-ascend series (upstream_patch/vllm-ascend/): its form, and vllm-ascend after it.
 
-The series cannot be applied here (vllm-ascend's source is not in this repository; apply and
-export it with the commands in upstream_patch/vllm-ascend/README.md). What runs here: the files
-carry no invented identity, the patched ``patch_balance_schedule.py`` is small and swaps nothing,
-and that very module, put into the vllm-ascend stand-in, lets engine cores started like vLLM's
-launcher run this package's classes with nothing but the key.
+What runs everywhere: the files carry no invented identity, the patched
+``patch_balance_schedule.py`` is small and swaps nothing, export and apply are inverses. Where the
+installed vLLM is one a pinned vllm-ascend release targets and a series is based on that release
+(``upstream_patch/vllm-ascend/v<release>/``), the series is applied to the release's own source
+(its sdist made a git tree) and engine cores started like vLLM's launcher run this package's
+classes with nothing but the key (``tests/vllm_ascend_standin.py``; elsewhere they skip saying why).
 """
 
 from __future__ import annotations
 
 import ast
-import logging
 import re
 
 import factories
 import pytest
-import vllm.plugins
 from engine_probe import launch_engine_core
 from vllm_ascend_standin import (
     ORDERS,
-    delegating_root,
+    FrontEnd,
     load_series_module,
+    prepared_root,
+    release_for_installed_vllm,
+    series_for,
+    skip_reason,
     vllm_ascend_in,
-    vllm_ascend_in_this_process,
-    vllm_name_facts,
 )
 
 series = load_series_module()
-ENABLED = {"enable_balance_scheduling": True}
+NESTED = {"scheduler_config": {"enable_balance_scheduling": True}}
 VLLM_RUN_ENGINE_CORE = "vllm.v1.engine.core.EngineCoreProc.run_engine_core"
 OUR_RUN_ENGINE_CORE = "vllm_balance.activation.balance_run_engine_core"
+SERIES = series.all_series()
 
 
-def test_series_names_its_base_commit_and_nobody_as_author():
-    assert re.fullmatch(r"[0-9a-f]{40}", series.BASE_COMMIT)
-    assert series.SERIES_DIR.name == series.BASE_COMMIT[:8]
-    assert len(series.patches()) == 2
-    for patch in series.patches():
+def test_one_series_per_base_commit_and_release():
+    assert [d.name for d in SERIES] == [series.BASE_COMMIT[:8], "v0.30.0rc2"]
+
+
+@pytest.mark.parametrize("directory", SERIES, ids=lambda d: d.name)
+def test_series_names_nobody_as_author(directory):
+    assert len(series.patches(directory)) == 2
+    for patch in series.patches(directory):
         text = patch.read_text()
         header = re.compile(r"^(From[ :]|Date:|Author:|Signed-off-by:)", re.M)
         assert not header.search(text), patch.name
         assert series.commit_message(patch).startswith("[Scheduler] "), patch.name
 
 
-def test_patched_balance_module_is_small_and_swaps_no_name():
-    text = series.post_image(series.BALANCE_MODULE)
+@pytest.mark.parametrize("directory", SERIES, ids=lambda d: d.name)
+def test_patched_balance_module_is_small_and_swaps_no_name(directory):
+    text = series.post_image(series.BALANCE_MODULE, directory)
     assert len(text.splitlines()) <= 60
     assignments = [
         node
@@ -54,10 +60,11 @@ def test_patched_balance_module_is_small_and_swaps_no_name():
     assert assignments == []
 
 
-def test_series_rewrites_are_the_only_sections_without_old_lines():
+@pytest.mark.parametrize("directory", SERIES, ids=lambda d: d.name)
+def test_series_rewrites_are_the_only_sections_without_old_lines(directory):
     """Only the two whole-file rewrites omit their old text; every other section is a diff."""
     rewritten = []
-    for patch in series.patches():
+    for patch in series.patches(directory):
         rewrites, rest = series.split_rewrites(patch.read_text())
         rewritten += [r.path for r in rewrites]
         assert "@@ -?,?" not in rest, patch.name
@@ -104,30 +111,32 @@ def test_export_then_apply_gives_back_the_same_commits(tmp_path):
     assert series.git(target, "log", "-1", "--format=%s").stdout.strip() == "diverged"
 
 
-@pytest.fixture(params=ORDERS)
-def delegating_ascend(request, tmp_path):
-    with vllm_ascend_in_this_process(request.param, delegating_root(tmp_path)):
-        vllm.plugins.load_general_plugins()
-        yield request.param
+@pytest.fixture(scope="module")
+def delegating_root():
+    """The pinned release for the installed vLLM with its series applied, ready to import."""
+    pin = release_for_installed_vllm()
+    if pin is None:
+        pytest.skip(skip_reason())
+    directory = series_for(pin.release)
+    if directory is None:
+        names = ", ".join(d.name for d in SERIES)
+        pytest.skip(f"no series is based on vllm-ascend {pin.release} (series: {names})")
+    return prepared_root(pin.release, pin.vllm, directory)
 
 
-def test_after_the_series_vllm_ascend_swaps_nothing_and_our_wrapper_is_called_once(
-    delegating_ascend,
+@pytest.mark.parametrize("order", ORDERS)
+def test_after_the_series_the_key_alone_runs_ours_with_ascend_config_initialised(
+    delegating_root, forked_probe, order
 ):
-    names = vllm_name_facts()
-    assert names["Scheduler"] == "vllm.v1.core.sched.scheduler.Scheduler"
-    reach = names["run_engine_core_reach"]
-    assert reach.count(OUR_RUN_ENGINE_CORE) == 1, reach  # DyntraLB's pass-through on top is fine
-    assert reach[-2:] == [OUR_RUN_ENGINE_CORE, VLLM_RUN_ENGINE_CORE], reach
-
-
-def test_after_the_series_the_key_alone_runs_ours_in_engine_cores(
-    delegating_ascend, forked_probe, caplog
-):
-    config = factories.make_vllm_config(moe=True, data_parallel_size=2, additional_config=ENABLED)
-    with caplog.at_level(logging.INFO, logger="vllm_balance"):
-        result = launch_engine_core("fork", config, forked_probe)
+    config = factories.make_vllm_config(moe=True, data_parallel_size=2, additional_config=NESTED)
+    target = FrontEnd(order, str(delegating_root), forked_probe)
+    result = launch_engine_core("fork", config, forked_probe, target=target)
     assert result["engine_core"] == "BalanceDPEngineCoreProc", result
     assert result["scheduler_mro"][0].startswith("vllm_balance."), result
     assert not vllm_ascend_in(result["engine_core_mro"] + result["scheduler_mro"]), result
-    assert result["names"]["Scheduler"] == "vllm.v1.core.sched.scheduler.Scheduler"
+    names = result["names"]
+    assert names["Scheduler"] == "vllm.v1.core.sched.scheduler.Scheduler", names
+    reach = names["run_engine_core_reach"]
+    assert reach.count(OUR_RUN_ENGINE_CORE) == 1, reach  # vllm-ascend's wrapper on top is fine
+    assert reach[-2:] == [OUR_RUN_ENGINE_CORE, VLLM_RUN_ENGINE_CORE], reach
+    assert names["ascend_config"] == {"enable_balance_scheduling": True}, names

@@ -30,6 +30,10 @@ from seam_patch import PatchError, commit_message, git  # noqa: E402
 # vllm-ascend main, fetched 2026-11-30: "[Test] add memcache dsv4-flash weekly case (#14760)".
 BASE_COMMIT = "182b75ea84ff13ece27b57391331ef8935410aea"
 SERIES_DIR = HERE / BASE_COMMIT[:8]
+# One series per base: a commit's first 8 digits, or a release as "v<version>" (its sdist on the
+# package registry, or its tag; vllm_ascend/_version.py names the release in both).
+RELEASE_SERIES_PREFIX = "v"
+VERSION_FILE = "vllm_ascend/_version.py"
 BALANCE_MODULE = "vllm_ascend/patch/platform/patch_balance_schedule.py"
 SEPARATOR = "\n---\n"
 SLUG_LENGTH = 54  # of the subject, as in the names the series has always had
@@ -37,6 +41,48 @@ SLUG_LENGTH = 54  # of the subject, as in the names the series has always had
 
 def patches(directory: Path = SERIES_DIR) -> list[Path]:
     return sorted(directory.glob("*.patch"))
+
+
+def read_patch(patch: Path) -> str:
+    """A series file's text with its line ends as they are (vllm-ascend has CRLF files)."""
+    return patch.read_bytes().decode("utf-8")
+
+
+def all_series() -> list[Path]:
+    return sorted(d for d in HERE.iterdir() if d.is_dir() and patches(d))
+
+
+def tree_release(tree: Path) -> str | None:
+    """The vllm-ascend release a work tree is (``vllm_ascend/_version.py``), if it says."""
+    path = tree / VERSION_FILE
+    if not path.exists():
+        return None
+    match = re.search(r"^__version__ = version = '([^']+)'", path.read_text(), re.M)
+    return match.group(1) if match else None
+
+
+def series_for_tree(tree: Path) -> Path:
+    """The series made for ``tree``: its HEAD commit's, else its release's (PatchError if none)."""
+    head = git(tree, "rev-parse", "HEAD").stdout.strip()
+    release = tree_release(tree)
+    for directory in all_series():
+        if head.startswith(directory.name) or (
+            release is not None and directory.name == f"{RELEASE_SERIES_PREFIX}{release}"
+        ):
+            return directory
+    names = ", ".join(d.name for d in all_series())
+    raise PatchError(f"no series for {tree} (HEAD {head[:12]}, release {release}); series: {names}")
+
+
+def base_of(directory: Path, tree: Path) -> str:
+    """The commit of ``tree`` a series was made on: the named commit, or for a release series the
+    tag ``v<release>`` where the tree has it, else its root commit (an unpacked sdist)."""
+    if not directory.name.startswith(RELEASE_SERIES_PREFIX):
+        return git(tree, "rev-parse", directory.name).stdout.strip()
+    tag = git(tree, "tag", "--list", directory.name).stdout.strip()
+    if tag:
+        return git(tree, "rev-parse", f"{tag}^{{commit}}").stdout.strip()
+    return git(tree, "rev-list", "--max-parents=0", "HEAD").stdout.split()[0]
 
 
 def render(message: str, stat: str, diff: str) -> str:
@@ -82,7 +128,7 @@ def split_rewrites(patch_text: str) -> tuple[list[Rewrite], str]:
 def post_image(path: str, directory: Path = SERIES_DIR) -> str:
     """The text the series gives ``path``, a file it rewrites whole."""
     for patch in patches(directory):
-        for rewrite in split_rewrites(patch.read_text())[0]:
+        for rewrite in split_rewrites(read_patch(patch))[0]:
             if rewrite.path == path:
                 return rewrite.text
     raise ValueError(f"the series does not rewrite {path}")
@@ -99,19 +145,22 @@ def export_series(tree: Path, base: str = BASE_COMMIT, out: Path = SERIES_DIR) -
     for number, commit in enumerate(commits, 1):
         message = git(tree, "log", "-1", "--format=%B", commit).stdout
         stat = git(tree, "diff", "--stat=80", f"{commit}^", commit).stdout
-        diff = git(
-            tree, "diff", "-B", "-D", "--full-index", "--no-color", f"{commit}^", commit
-        ).stdout
+        # Through a file: git's output read as text would lose the CRs of CRLF files.
+        diff_file = out / ".diff"
+        git(tree, "diff", "-B", "-D", "--full-index", "--no-color", f"--output={diff_file}",
+            f"{commit}^", commit)  # fmt: skip
+        diff = read_patch(diff_file)
+        diff_file.unlink()
         slug = git(tree, "log", "-1", "--format=%f", commit).stdout.strip()[:SLUG_LENGTH]
         path = out / f"{number:04d}-{slug}.patch"
-        path.write_text(render(message, stat, diff))
+        path.write_bytes(render(message, stat, diff).encode("utf-8"))
         written.append(path)
     return written
 
 
 def apply_patch(tree: Path, patch: Path, identity: tuple[str, ...] = ()) -> None:
     """One series file as one commit on ``tree``: rewrites after their blob id is checked."""
-    text = patch.read_text()
+    text = read_patch(patch)
     rewrites, rest = split_rewrites(text)
     for rewrite in rewrites:
         target = tree / rewrite.path
