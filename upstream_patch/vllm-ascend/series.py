@@ -138,6 +138,8 @@ def export_series(tree: Path, base: str = BASE_COMMIT, out: Path = SERIES_DIR) -
     """Write each commit of ``tree`` from ``base`` to HEAD as ``NNNN-<subject>.patch`` in ``out``
     (replacing the series there); returns the files written."""
     commits = git(tree, "rev-list", "--reverse", f"{base}..HEAD").stdout.split()
+    if not commits:  # a checkout at the base: writing nothing would delete the series
+        raise PatchError(f"{tree} has no commits after {base[:12]}: nothing to export")
     out.mkdir(parents=True, exist_ok=True)
     for old in patches(out):
         old.unlink()
