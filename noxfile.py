@@ -161,7 +161,8 @@ def soak(session: nox.Session) -> None:
 def ascend(session: nox.Session) -> None:
     """The test suite on an Ascend host (torch_npu imported); skips cleanly anywhere else."""
     install_pinned_vllm(session, "release-tag")
-    session.install("-e", ".[ascend]")  # torch-npu, version pinned in pyproject.toml
+    # torch_npu comes with vllm-ascend's own environment on the host (the extra pins nothing).
+    session.install("-e", ".[ascend]")
     # The probe reports in one line (exit 3) instead of a traceback where torch_npu cannot run.
     probe = (
         "import sys\n"
@@ -204,6 +205,30 @@ def takeover(session: nox.Session) -> None:
             )  # fmt: skip
         finally:
             shutil.rmtree(tree, ignore_errors=True)
+
+
+@nox.session
+def package(session: nox.Session) -> None:
+    """Build the sdist and wheel (python -m build), twine check them, install the wheel (not the
+    checkout) into this session's fresh venv with the release-tag vLLM, and check there that the
+    entry point activates balance and that the ascend extra agrees with vllm-ascend's pins."""
+    session.install("build==1.6.1", "twine==7.0.0")
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("python", "-m", "build", "--outdir", str(dist))
+    built = sorted(str(p) for p in dist.iterdir())
+    session.run("twine", "check", "--strict", *built)
+    session.install("--no-deps", "-r", "requirements/test-cpu.txt")
+    install_pin(session, "release-tag")
+    [wheel] = [p for p in built if p.endswith(".whl")]
+    session.install("--no-deps", wheel)
+    sys.path.insert(0, str(ROOT / "upstream_patch"))
+    from run_vllm_tests import fetch_sdist
+
+    sdists = [str(fetch_sdist(pin.release, "vllm-ascend")) for pin in read_vllm_ascend_pins()]
+    # From a folder outside the checkout: the installed wheel is imported, not the source tree.
+    session.chdir(session.create_tmp())
+    session.run("python", str(ROOT / "tools" / "package_check.py"), wheel, *sdists)
 
 
 def install_reach(session: nox.Session) -> None:

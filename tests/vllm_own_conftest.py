@@ -58,6 +58,27 @@ if os.environ.get("VLLM_BALANCE_SIDE") == "balance":
 
     Scheduler.__new__ = _balance_new
 
+elif os.environ.get("VLLM_BALANCE_SIDE") == "vllm-ascend":
+    # vllm-ascend's own balance module (run_vllm_tests.py --vllm-ascend): only that module, under
+    # an empty vllm_ascend.patch.platform package (its __init__ would apply every platform
+    # patch); torch_npu from tests/ascend_standin/. Balance on, one DP rank: the gate is open.
+    import types
+
+    _root = os.environ["VLLM_BALANCE_ASCEND_ROOT"]
+    sys.path[:0] = [_root, os.path.join(os.environ["VLLM_BALANCE_TESTS_DIR"], "ascend_standin")]
+    _platform = types.ModuleType("vllm_ascend.patch.platform")
+    _platform.__path__ = [os.path.join(_root, "vllm_ascend", "patch", "platform")]
+    sys.modules[_platform.__name__] = _platform
+    import vllm_ascend.patch.platform.patch_balance_schedule as _ascend_balance
+
+    _ascend_balance._balance_scheduling_enabled = lambda vllm_config: True
+    _BALANCE_CLASSES = {Scheduler: _ascend_balance.BalanceScheduler}
+
+    def _ascend_new(cls, *args, **kwargs):
+        return object.__new__(_BALANCE_CLASSES.get(cls, cls))
+
+    Scheduler.__new__ = _ascend_new
+
 with open(os.environ["VLLM_BALANCE_SIDE_FILE"], "w") as _out:
     json.dump(
         {

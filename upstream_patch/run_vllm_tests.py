@@ -24,6 +24,9 @@ of the installed vLLM: its unpacked wheel shadows the installed one in the test 
 Pass: the patched side passes every test the unpatched side passes (same skips), and the series'
 new tests pass on the patched side and fail on the unpatched one (they can tell the difference).
 
+``--balance --vllm-ascend R`` adds a third side, vllm-ascend release R's own ``BalanceScheduler``
+(its sdist's source, fetched like vLLM's; gate open), reported beside the two and not judged.
+
 ``--balance`` compares this package instead of the seam: the "upstream" side runs the installed
 scheduler as it is; on the "balance" side every ``Scheduler`` / ``AsyncScheduler`` the tests
 build (through ``create_scheduler`` or directly; ``__new__`` returns ours, the names stay
@@ -153,8 +156,10 @@ def run_side(
     scheduler_file: Path | None,
     pytest_args: list[str],
     tests: tuple[str, ...],
+    extra_env: dict[str, str] | None = None,
 ) -> dict:
-    """One pytest run of ``tests``; ``name`` "balance" swaps in this package's schedulers."""
+    """One pytest run of ``tests``; ``name`` "balance" swaps in this package's schedulers,
+    "vllm-ascend" vllm-ascend's own ``BalanceScheduler``."""
     junit = tree / f"junit-{name}.xml"
     side_file = tree / f"side-{name}.json"
     env = dict(
@@ -167,6 +172,7 @@ def run_side(
     env["VLLM_BALANCE_SIDE"] = name
     if scheduler_file is not None:
         env["VLLM_BALANCE_SCHEDULER_FILE"] = str(scheduler_file)
+    env.update(extra_env or {})
     run = pytest_child(["--rootdir", str(tree), *tests, *pytest_args], tree, env, junit)
     log = tree / f"pytest-{name}.log"
     log.write_text(run.stdout + run.stderr)
@@ -235,12 +241,21 @@ def seam_sides(tree: Path, source: str, match, pytest_args: list[str]) -> tuple[
     return sides, problems
 
 
-def balance_sides(tree: Path, pytest_args: list[str]) -> tuple[dict, list[str]]:
-    """This package's balance scheduler (gate open) vs the installed upstream scheduler."""
+def balance_sides(
+    tree: Path, pytest_args: list[str], ascend_root: Path | None = None
+) -> tuple[dict, list[str]]:
+    """This package's balance scheduler (gate open) vs the installed upstream scheduler; with
+    ``ascend_root`` (a vllm-ascend release's source, ``tests/vllm_ascend_standin.py``) also
+    vllm-ascend's own ``BalanceScheduler`` (gate open), reported beside them."""
     sides = {
         name: run_side(tree, name, None, pytest_args, BALANCE_ENTRIES)
         for name in ("upstream", "balance")
     }
+    if ascend_root is not None:
+        env = {"VLLM_BALANCE_ASCEND_ROOT": str(ascend_root)}
+        sides["vllm-ascend"] = run_side(
+            tree, "vllm-ascend", None, pytest_args, BALANCE_ENTRIES, env
+        )
     problems = []
     if (
         sides["upstream"]["side"]["balance_classes"]
@@ -257,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         "--balance", action="store_true", help="this package's scheduler vs upstream (no seam)"
     )
     parser.add_argument("--release", help="a vLLM release to run on instead of the installed one")
+    parser.add_argument(
+        "--vllm-ascend",
+        metavar="RELEASE",
+        help="with --balance: also vllm-ascend RELEASE's own BalanceScheduler (its sdist's source)",
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
 
@@ -283,11 +303,21 @@ def main(argv: list[str] | None = None) -> int:
     # registered by vLLM's own configuration, which is not extracted).
     (tree / "pytest.ini").write_text("[pytest]\n")
     if args.balance:
-        sides, problems = balance_sides(tree, args.pytest_args)
+        ascend_root = None
+        if args.vllm_ascend:
+            from vllm_ascend_standin import prepared_root
+
+            ascend_root = prepared_root(args.vllm_ascend, version)
+        sides, problems = balance_sides(tree, args.pytest_args, ascend_root)
     else:
         sides, problems = seam_sides(tree, source, match, args.pytest_args)
-    reference, candidate = sides
+    reference, candidate = list(sides)[:2]
     lost, skip_drift = lost_tests(sides[reference]["outcomes"], sides[candidate]["outcomes"])
+    # Reported, not a problem of this package: what vllm-ascend's copy loses against upstream.
+    also_lost = {
+        name: lost_tests(sides[reference]["outcomes"], side["outcomes"])[0]
+        for name, side in list(sides.items())[2:]
+    }
     if lost:
         problems.append(f"{candidate} side fails {len(lost)} test(s) upstream passes: {lost[:5]}")
     if skip_drift:
@@ -303,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         "by_file": {n: by_file(s["outcomes"], entries) for n, s in sides.items()},
         "logs": {n: s["log"] for n, s in sides.items()},
         "lost": lost,  # vLLM's own tests the reference side passes and the other does not
+        "lost_by": also_lost,  # the same for a side beside them (vllm-ascend's scheduler)
         "problems": problems,
     }
     for name in sides:
@@ -311,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"vLLM {version} {name:9s} {label}: "
                 + ", ".join(f"{v} {k}" for k, v in counts.items())
             )
+    for name, lost_there in also_lost.items():
+        print(f"vLLM {version} {name} fails {len(lost_there)} test(s) upstream passes:")
+        for test_id in lost_there:
+            print(f"  {test_id}")
     if args.report:
         args.report.write_text(json.dumps(report, indent=2))
     for problem in problems:

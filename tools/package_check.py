@@ -1,0 +1,90 @@
+"""Check a built wheel as a dependent would use it (run by ``nox -s package``).
+
+    python tools/package_check.py <wheel> <vllm-ascend sdist> [<vllm-ascend sdist> ...]
+
+1. The ``ascend`` extra pins nothing that conflicts with a vllm-ascend release's own pins: for
+   every requirement of the extra that the release also names, the release's pinned version must
+   satisfy ours (read from the sdist's ``PKG-INFO``: its ``Requires-Dist``).
+2. Installed from the wheel (this interpreter's environment), vLLM's own
+   ``load_general_plugins()`` finds the entry point and the plugin installs its
+   ``run_engine_core`` wrapper; a DP=2 MoE config with the key activates balance scheduling.
+"""
+
+from __future__ import annotations
+
+import sys
+import tarfile
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+
+def wheel_metadata(wheel: Path):
+    with zipfile.ZipFile(wheel) as archive:
+        [name] = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        return Parser().parsestr(archive.read(name).decode())
+
+
+def sdist_metadata(sdist: Path):
+    with tarfile.open(sdist) as tar:
+        [member] = [m for m in tar.getmembers() if m.name.count("/") == 1 and m.name.endswith("/PKG-INFO")]
+        return Parser().parsestr(tar.extractfile(member).read().decode())
+
+
+def extra_conflicts(wheel: Path, sdist: Path) -> list[str]:
+    ours = [Requirement(r) for r in wheel_metadata(wheel).get_all("Requires-Dist") or []]
+    ascend_extra = [r for r in ours if r.marker and r.marker.evaluate({"extra": "ascend"})]
+    theirs = {}
+    for line in sdist_metadata(sdist).get_all("Requires-Dist") or []:
+        requirement = Requirement(line)
+        pinned = [s.version for s in requirement.specifier if s.operator == "=="]
+        if pinned:
+            theirs[requirement.name.lower().replace("_", "-")] = pinned[0]
+    conflicts = []
+    for requirement in ascend_extra:
+        version = theirs.get(requirement.name.lower().replace("_", "-"))
+        if version is not None and not requirement.specifier.contains(version, prereleases=True):
+            conflicts.append(f"{requirement} vs {sdist.name}'s {requirement.name}=={version}")
+    return conflicts
+
+
+def activates_through_the_entry_point() -> str:
+    import vllm.plugins
+    from vllm.v1.engine.core import EngineCoreProc
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import factories
+
+    from vllm_balance import activation
+
+    vllm.plugins.load_general_plugins()
+    wrapper = EngineCoreProc.__dict__["run_engine_core"].__func__
+    assert wrapper.__module__ == "vllm_balance.activation", wrapper
+    config = factories.make_vllm_config(
+        moe=True, data_parallel_size=2, additional_config={"enable_balance_scheduling": True}
+    )
+    assert activation.activate_for(config) is True
+    return config.scheduler_config.scheduler_cls.__name__
+
+
+def main() -> int:
+    wheel, *sdists = (Path(a) for a in sys.argv[1:])
+    import vllm_balance
+
+    installed = Path(vllm_balance.__file__).resolve()
+    assert "site-packages" in installed.parts, f"not the installed wheel: {installed}"
+    for sdist in sdists:
+        conflicts = extra_conflicts(wheel, sdist)
+        if conflicts:
+            print("the ascend extra conflicts:", *conflicts, sep="\n  ")
+            return 1
+        print(f"ascend extra: no conflict with {sdist.name}'s pins")
+    scheduler = activates_through_the_entry_point()
+    print(f"installed from {wheel.name}: the entry point activates balance ({scheduler})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
