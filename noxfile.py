@@ -65,6 +65,9 @@ def install_pinned_vllm(session: nox.Session, pin_name: str, seam: bool = False)
     session.install("--no-deps", "-r", "requirements/test-cpu.txt")
     session.install("-r", "requirements/test-tools.txt", "-r", "requirements/sim.txt")
     pin = install_pin(session, pin_name)
+    if pin.version in {p.vllm for p in read_vllm_ascend_pins()}:
+        # A pinned vllm-ascend release targets this vLLM: its take-over tests run here.
+        session.install("-r", "requirements/vllm-ascend.txt")
     session.install("--no-deps", "-e", ".")
     if seam:  # upstream_patch/'s seam, applied to this venv's vLLM
         session.run("python", "upstream_patch/apply.py", "installed")
@@ -191,6 +194,7 @@ def takeover(session: nox.Session) -> None:
     test session whose pinned vLLM is such a target runs the same tests by itself.
     """
     install_pinned_vllm(session, "release-tag")
+    session.install("-r", "requirements/vllm-ascend.txt")
     sys.path.insert(0, str(ROOT / "upstream_patch"))
     from seam_patch import shadowing, unpacked_release
 

@@ -253,14 +253,14 @@ def test_both_keys_reach_the_take_over_through_ascend_config(fork_engine_core, a
     assert result["names"]["ascend_config"] == {"enable_balance_scheduling": True}
 
 
-def test_deprecated_env_var_is_ignored_where_ascend_config_decides(fork_engine_core, monkeypatch):
+def test_deprecated_env_var_is_not_read_where_ascend_config_decides(fork_engine_core, monkeypatch):
     """vllm-ascend no longer reads ``VLLM_ASCEND_BALANCE_SCHEDULING``; its ``AscendConfig``
     decides here too (off), and says that the variable is ignored."""
     monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "1")
     _, result = fork_engine_core("ascend-first", {})
     assert_vllm_ascend_alone(result)
     [line] = [x for x in result["names"]["balance_log"] if "VLLM_ASCEND_BALANCE" in x]
-    assert "VLLM_ASCEND_BALANCE_SCHEDULING is ignored: vllm-ascend's AscendConfig decides" in line
+    assert "VLLM_ASCEND_BALANCE_SCHEDULING is not read: vllm-ascend's AscendConfig decides" in line
 
 
 # Import orders that vllm-ascend's own front end produces

@@ -66,10 +66,12 @@ elif os.environ.get("VLLM_BALANCE_SIDE") == "vllm-ascend":
 
     _root = os.environ["VLLM_BALANCE_ASCEND_ROOT"]
     sys.path[:0] = [_root, os.path.join(os.environ["VLLM_BALANCE_TESTS_DIR"], "ascend_standin")]
+    import vllm_ascend.patch
+
     _platform = types.ModuleType("vllm_ascend.patch.platform")
     _platform.__path__ = [os.path.join(_root, "vllm_ascend", "patch", "platform")]
-    sys.modules[_platform.__name__] = _platform
-    import vllm_ascend.patch.platform.patch_balance_schedule as _ascend_balance
+    sys.modules[_platform.__name__] = vllm_ascend.patch.platform = _platform
+    _ascend_balance = importlib.import_module(f"{_platform.__name__}.patch_balance_schedule")
 
     _ascend_balance._balance_scheduling_enabled = lambda vllm_config: True
     _BALANCE_CLASSES = {Scheduler: _ascend_balance.BalanceScheduler}

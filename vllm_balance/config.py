@@ -3,7 +3,7 @@
 Sources, first match wins:
 1. vllm-ascend's ``AscendConfig`` when that package is importable and initialised (on Ascend it is
    the primary source; vllm-ascend 0.27.1rc1 and 0.30.0rc2 no longer read the env var below, so
-   where ``AscendConfig`` decides the env var is ignored, with a warning saying so);
+   where ``AscendConfig`` decides the env var is not read here either, with a warning saying so);
 2. ``additional_config.scheduler_config.enable_balance_scheduling`` (the nested form newer
    vllm-ascend uses), which wins over
 3. ``additional_config.enable_balance_scheduling``;
@@ -101,7 +101,8 @@ def balance_enabled(vllm_config: Any) -> bool:
     if value is not _UNSET:
         if os.environ.get(DEPRECATED_ENV_VAR) is not None:
             logger.warning(
-                "%s is ignored: vllm-ascend's AscendConfig decides (%s=%r); set "
+                "%s is not read: vllm-ascend's AscendConfig decides (%s=%r; vllm-ascend "
+                "0.27.1rc1 and later no longer read the variable); set "
                 "additional_config.scheduler_config.%s instead",
                 DEPRECATED_ENV_VAR,
                 ENABLE_KEY,
