@@ -188,7 +188,9 @@ def ascend(session: nox.Session) -> None:
 @nox.session
 def takeover(session: nox.Session) -> None:
     """Take-over and the vllm-ascend series against vllm-ascend's own released source: each
-    release in pins/vllm-ascend.txt on the vLLM it targets (pytest arguments after --).
+    release in pins/vllm-ascend.txt on the vLLM it targets (pytest arguments after --); then
+    vLLM's own test_scheduler.py on upstream's, this package's and that release's own
+    BalanceScheduler (run_vllm_tests.py --balance --vllm-ascend; docs/vllm-ascend-pr.md).
 
     The release-tag venv; the target release's wheel shadows its vLLM (as in `nox -s reach`). A
     test session whose pinned vLLM is such a target runs the same tests by itself.
@@ -209,6 +211,11 @@ def takeover(session: nox.Session) -> None:
             )  # fmt: skip
         finally:
             shutil.rmtree(tree, ignore_errors=True)
+        report = Path(session.create_tmp()) / f"vllm-own-tests-{pin.vllm}-vllm-ascend.json"
+        session.run(
+            "python", "upstream_patch/run_vllm_tests.py", "--release", pin.vllm, "--balance",
+            "--vllm-ascend", pin.release, "--report", str(report),
+        )  # fmt: skip
 
 
 @nox.session
