@@ -29,7 +29,9 @@ def wheel_metadata(wheel: Path):
 
 def sdist_metadata(sdist: Path):
     with tarfile.open(sdist) as tar:
-        [member] = [m for m in tar.getmembers() if m.name.count("/") == 1 and m.name.endswith("/PKG-INFO")]
+        [member] = [
+            m for m in tar.getmembers() if m.name.count("/") == 1 and m.name.endswith("/PKG-INFO")
+        ]
         return Parser().parsestr(tar.extractfile(member).read().decode())
 
 

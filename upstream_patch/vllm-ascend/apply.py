@@ -1,19 +1,20 @@
 """Apply the vllm-ascend series to a vllm-ascend checkout, one commit per patch, as you.
 
     python upstream_patch/vllm-ascend/apply.py <vllm-ascend work tree> [--check]
-    python upstream_patch/vllm-ascend/apply.py <vllm-ascend work tree> --export
+    python upstream_patch/vllm-ascend/apply.py <vllm-ascend work tree> --export --series NAME
 
 Each patch becomes a commit whose author is the git identity configured in that checkout
 (nothing in the series names an author). Whole-file rewrites are written after checking the
 file's blob id (see ``series.py``); everything else goes through ``git apply --index``. Either all
 patches apply or the checkout is reset to where it was. ``--check`` does the same in a temporary
 worktree and leaves the checkout as it is. ``--export`` goes the other way: the checkout's commits
-since ``series.BASE_COMMIT`` become the series files (how the series is changed).
+since the series' base become its files (how a series is changed).
 
 One series per base (``upstream_patch/vllm-ascend/<base>/``: the commit 182b75ea, the release
 v0.30.0rc2); the one made for the checkout's commit or release (``vllm_ascend/_version.py``) is
-used unless ``--series`` names one; the blob ids and ``git apply`` decide whether it applies. Sign the commits off before sending:
-``git rebase --signoff <start>`` (the Developer Certificate of Origin is the sender's statement).
+used unless ``--series`` names one; the blob ids and ``git apply`` decide whether it applies.
+Sign the commits off before sending: ``git rebase --signoff <start>`` (the Developer Certificate
+of Origin is the sender's statement).
 """
 
 from __future__ import annotations
