@@ -305,6 +305,26 @@ def test_opt_in_must_be_a_boolean(value):
         balance_options(config)
 
 
+@pytest.mark.parametrize(
+    "raw, expected", [("1", True), ("true", True), (" TRUE ", True), ("0", False), ("", False)]
+)
+def test_opt_in_from_the_environment(monkeypatch, raw, expected):
+    monkeypatch.setenv(TAKE_OVER_ENV_VAR, raw)
+    assert balance_options(dp_config(ENABLED)).take_over_vllm_ascend is expected
+
+
+def test_opt_in_from_the_environment_must_be_0_1_true_false(monkeypatch):
+    monkeypatch.setenv(TAKE_OVER_ENV_VAR, "yes")
+    with pytest.raises(ValueError, match=f"{TAKE_OVER_ENV_VAR} must be 0/1/true/false, got 'yes'"):
+        balance_options(dp_config(ENABLED))
+
+
+def test_the_key_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv(TAKE_OVER_ENV_VAR, "1")
+    config = dp_config({**ENABLED, TAKE_OVER_KEY: False})
+    assert balance_options(config).take_over_vllm_ascend is False
+
+
 def test_opt_in_without_vllm_ascend_warns_that_there_is_nothing_to_take_over(caplog):
     import logging
 
