@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tarfile
 import zipfile
@@ -72,7 +73,11 @@ def activates_through_the_entry_point() -> str:
 
 
 def main() -> int:
-    wheel, *sdists = (Path(a) for a in sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("wheel", type=Path, help="the built wheel (installed in this environment)")
+    parser.add_argument("sdists", type=Path, nargs="*", help="vllm-ascend sdists to check against")
+    args = parser.parse_args()
+    wheel, sdists = args.wheel, args.sdists
     import vllm_balance
 
     installed = Path(vllm_balance.__file__).resolve()
