@@ -1,6 +1,6 @@
 """Test matrix: real vLLM at two pins, with and without the upstream seam.
 
-    nox                      # what CI runs: lint, the four test sessions, e2e
+    nox                      # what CI runs: lint, the four test sessions, e2e, package
     nox -l                   # every session and what it does
     nox -s tests-release -- -k contract   # one session; pytest arguments after --
 
@@ -29,6 +29,7 @@ nox.options.sessions = [
     "tests-release-seam",
     "tests-main-seam",
     "e2e",
+    "package",
 ]
 nox.options.error_on_missing_interpreters = True
 
@@ -224,7 +225,7 @@ def package(session: nox.Session) -> None:
     checkout) into this session's fresh venv with the release-tag vLLM, and check there that the
     entry point activates balance and that the ascend extra agrees with vllm-ascend's pins."""
     session.install("build==1.6.1", "twine==7.0.0")
-    dist = Path(session.create_tmp()) / "dist"
+    dist = Path(session.create_tmp()).resolve() / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     session.run("python", "-m", "build", "--outdir", str(dist))
     built = sorted(str(p) for p in dist.iterdir())
