@@ -77,22 +77,26 @@ def _from_additional_config(vllm_config: Any) -> Any:
     return value if value is _UNSET else _checked_bool(where, value)
 
 
-def _from_deprecated_env() -> Any:
-    raw = os.environ.get(DEPRECATED_ENV_VAR)
+def _env_flag(name: str, hint: str = "") -> Any:
+    """An environment variable holding 0/1/true/false as a bool; _UNSET when it is not set."""
+    raw = os.environ.get(name)
     if raw is None:
         return _UNSET
     normalized = raw.strip().lower()
     if normalized not in _ENV_TRUE | _ENV_FALSE:
-        raise ValueError(
-            f"{DEPRECATED_ENV_VAR} must be 0/1/true/false, got {raw!r}; "
-            f"prefer additional_config.{ENABLE_KEY}"
-        )
-    logger.warning(
-        "%s is deprecated; use --additional-config '{\"%s\": true}' instead",
-        DEPRECATED_ENV_VAR,
-        ENABLE_KEY,
-    )
+        raise ValueError(f"{name} must be 0/1/true/false, got {raw!r}{hint}")
     return normalized in _ENV_TRUE
+
+
+def _from_deprecated_env() -> Any:
+    value = _env_flag(DEPRECATED_ENV_VAR, f"; prefer additional_config.{ENABLE_KEY}")
+    if value is not _UNSET:
+        logger.warning(
+            "%s is deprecated; use --additional-config '{\"%s\": true}' instead",
+            DEPRECATED_ENV_VAR,
+            ENABLE_KEY,
+        )
+    return value
 
 
 def balance_enabled(vllm_config: Any) -> bool:
@@ -158,13 +162,8 @@ def _take_over_from_env() -> bool:
     vllm-ascend 0.27.1rc1 and later validate ``additional_config`` with ``extra="forbid"``: any
     key it does not know, this package's included, fails its ``init_ascend_config`` at start-up.
     """
-    raw = os.environ.get(TAKE_OVER_ENV_VAR)
-    if raw is None:
-        return False
-    normalized = raw.strip().lower()
-    if normalized not in _ENV_TRUE | _ENV_FALSE:
-        raise ValueError(f"{TAKE_OVER_ENV_VAR} must be 0/1/true/false, got {raw!r}")
-    return normalized in _ENV_TRUE
+    value = _env_flag(TAKE_OVER_ENV_VAR)
+    return False if value is _UNSET else value
 
 
 def _seconds_or_off(vllm_config: Any, key: str, default: float, zero_means: str) -> float | None:
