@@ -158,8 +158,9 @@ TAKEN_OVER = {
 def test_take_over_removes_its_four_names_and_keeps_every_other_vllm_ascend_patch(
     fork_engine_core, order
 ):
-    """vllm-ascend patches a few dozen vLLM names (config validators, KV-cache planning, pp-MTP,
-    profiling chunk, ...): the take-over gives back exactly the four of its balance patch."""
+    """vllm-ascend replaces 31 (0.27.1rc1) or 35 (0.30.0rc2) vLLM names (config validators,
+    KV-cache planning, pp-MTP, profiling chunk, ...): the take-over gives back only those of its
+    balance patch."""
     front, result = fork_engine_core(order, TAKE_OVER)
     assert_balance_classes_built(result)
     before = set(front["names"]["vllm_ascend_patches"])
