@@ -235,7 +235,7 @@ def package(session: nox.Session) -> None:
     [wheel] = [p for p in built if p.endswith(".whl")]
     session.install("--no-deps", wheel)
     sys.path.insert(0, str(ROOT / "upstream_patch"))
-    from run_vllm_tests import fetch_sdist
+    from seam_patch import fetch_sdist
 
     sdists = [str(fetch_sdist(pin.release, "vllm-ascend")) for pin in read_vllm_ascend_pins()]
     # From a folder outside the checkout: the installed wheel is imported, not the source tree.

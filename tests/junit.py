@@ -22,6 +22,17 @@ def junit_outcomes(report: Path) -> dict[str, str]:
     return outcomes
 
 
+def junit_failures(report: Path) -> dict[str, str]:
+    """``classname::name`` -> the failure's (or error's) message and text, for failed tests."""
+    failures = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        for child in case:
+            if child.tag in ("failure", "error"):
+                text = f"{child.get('message', '')}\n{child.text or ''}"
+                failures[f"{case.get('classname')}::{case.get('name')}"] = text
+    return failures
+
+
 def tally(outcomes: dict[str, str], select=lambda test_id: True) -> dict[str, int]:
     """How many of the selected tests passed, failed and skipped."""
     counts = {"passed": 0, "failed": 0, "skipped": 0}

@@ -1,8 +1,9 @@
 """upstream_patch/apply.py: both modes apply the whole series or nothing, and are idempotent.
 
 ``git`` mode runs on a scratch git repository holding the installed vLLM's scheduler.py at
-upstream's path (the unpatched text: reverted first if the seam sessions patched the install), so
-``git apply`` meets the same blobs it meets on a real vLLM checkout; the commit's author is the
+upstream's path (the unpatched text: reverted first if the seam sessions patched the install) and
+the release's test files the series appends to (from its sdist), so ``git apply`` meets the same
+blobs it meets on a real vLLM checkout; the commit's author is the
 identity in the (test's) git configuration, never one the series invents. ``installed`` mode
 writes to a copy of the installed tree (``--root``); against the real install it runs only as
 ``--check``, because the shared test venvs must not change (the nox seam sessions apply it for
@@ -24,6 +25,7 @@ from seam_patch import (
     installed_version,
     installed_vllm_root,
     match_series,
+    release_files,
     scheduler_text,
     serving_series,
 )
@@ -80,11 +82,12 @@ def match(installed_source):
 
 
 @pytest.fixture(scope="module")
-def inline_check(match) -> str:
-    """The inline stop check the series replaces (the last line its scheduler diff removes)."""
+def replaced_line(match) -> str:
+    """The line of scheduler.py the series replaces (the one its scheduler diff removes)."""
     text = match.series.patches[0].read_text(encoding="utf-8")
-    scheduler_part = text.split(f"+++ b/{SCHEDULER_PATH}\n", 1)[1]
-    return [ln[1:] for ln in scheduler_part.splitlines() if ln.startswith("-")][-1]
+    scheduler_part = text.split(f"+++ b/{SCHEDULER_PATH}\n", 1)[1].split("\ndiff --git ", 1)[0]
+    (removed,) = [ln[1:] for ln in scheduler_part.splitlines() if ln.startswith("-")]
+    return removed
 
 
 @pytest.fixture(scope="module")
@@ -147,13 +150,13 @@ def test_installed_revert_restores_the_exact_original(vllm_copy, unpatched_sourc
 
 
 def test_installed_refuses_a_scheduler_the_series_does_not_fit_and_writes_nothing(
-    vllm_copy, inline_check
+    vllm_copy, replaced_line
 ):
     target = vllm_copy / SCHEDULER_PATH
     # A fork that changed the line the series replaces: no series may apply, at any offset.
     text = target.read_text(encoding="utf-8")
-    assert text.count(inline_check + "\n") == 1
-    mangled = text.replace(inline_check + "\n", inline_check + "  # fork\n")
+    assert text.count(replaced_line + "\n") == 1
+    mangled = text.replace(replaced_line + "\n", replaced_line + "  # fork\n")
     target.write_text(mangled, encoding="utf-8")
 
     result = run_apply("installed", "--root", str(vllm_copy))
@@ -168,11 +171,13 @@ def test_installed_refuses_a_scheduler_the_series_does_not_fit_and_writes_nothin
 
 @pytest.fixture
 def vllm_repo(tmp_path, unpatched_source) -> Path:
-    """A git repository with the release's scheduler.py at upstream's path, tagged as the
-    installed release (which may have no series of its own: the newer one serves it)."""
+    """A git repository with the release's scheduler.py and scheduler tests at upstream's paths,
+    tagged as the installed release (which may have no series of its own: the newer one serves
+    it)."""
     repo = tmp_path / "vllm"
-    (repo / SCHEDULER_PATH).parent.mkdir(parents=True)
-    (repo / SCHEDULER_PATH).write_text(unpatched_source, encoding="utf-8")
+    for path, text in release_files(installed_version(), unpatched_source).items():
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(text, encoding="utf-8")
     git(tmp_path, "init", "-q", "-b", "main", str(repo))
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "release")
@@ -196,7 +201,7 @@ def test_git_commits_the_series_as_the_configured_user_without_sign_off(
     assert "Signed-off-by" not in git(vllm_repo, "log", "-1", "--format=%B")
     assert (vllm_repo / SCHEDULER_PATH).read_text(encoding="utf-8") == patched_source
     test_file = vllm_repo / SEAM_TEST_PATH
-    assert f"{SEAM_METHOD}" in test_file.read_text(encoding="utf-8")
+    assert f"def {SEAM_METHOD}(self)" in test_file.read_text(encoding="utf-8")
     assert git(vllm_repo, "status", "--porcelain") == ""
 
 
@@ -234,10 +239,10 @@ def test_git_again_says_the_branch_is_built(vllm_repo):
     assert "already carries the seam; nothing to do" in result.stdout
 
 
-def test_git_never_half_applies_a_series_that_does_not_fit(vllm_repo, inline_check):
+def test_git_never_half_applies_a_series_that_does_not_fit(vllm_repo, replaced_line):
     target = vllm_repo / SCHEDULER_PATH
     text = target.read_text(encoding="utf-8")
-    target.write_text(text.replace(inline_check + "\n", inline_check + "  # fork\n"))
+    target.write_text(text.replace(replaced_line + "\n", replaced_line + "  # fork\n"))
     git(vllm_repo, "commit", "-q", "-am", "fork change")
     head = git(vllm_repo, "rev-parse", "HEAD")
 

@@ -1,10 +1,12 @@
 """The patch series in upstream_patch/ are what a vLLM reviewer should receive.
 
-Each series is a commit message explaining why, then a diff that touches only the scheduler and a
-new test beside vLLM's tests/v1/core/test_scheduler.py, keeps the scheduler diff small and changes
-only what the seam needs. It carries no author and no ``Signed-off-by``: the submitter commits and
-signs off with their own identity. A series is stored only where its text differs, and what is
-stored is what ``make_series.py`` generates.
+Each series is a commit message explaining why, then a diff that touches only the scheduler and
+vLLM's tests/v1/core/test_scheduler.py (cases appended; before 0.31 also the factory parameter
+they use), keeps the scheduler diff small and changes only what the hold-only seam needs. It
+carries no author and no ``Signed-off-by``: the submitter commits and signs off with their own
+identity. A series is stored only where its text differs, and what is stored is what
+``make_series.py`` generates (from the release's wheel and sdist: the byte-for-byte checks fetch
+the installed release's sdist once, into the cache).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from seam_patch import (
     SCHEDULER_PATH,
     SEAM_METHOD,
     SEAM_TEST_PATH,
+    TEST_UTILS_PATH,
+    added_lines,
     all_series,
     installed_version,
     installed_vllm_root,
@@ -55,35 +59,46 @@ def test_series_is_a_message_then_a_diff_with_no_identity(series):
         message, diff = text.split("\n---\n", 1)
         assert message.startswith("[Core] ")
         assert len(message.split()) > 80, "the message must explain why, not only what"
-        assert diff.count("\ndiff --git ") == 2
+        assert diff.count("\ndiff --git ") == len(numstat(series))
         # No author, date or sign-off: whoever submits it commits and signs off as themselves.
         assert not re.search(r"^(From|Date|Signed-off-by|Author):", text, re.M)
         assert "@" not in message
 
 
 @pytest.mark.parametrize("series", SERIES, ids=lambda s: s.ref)
-def test_series_touches_only_the_scheduler_and_one_new_test(series):
-    assert set(numstat(series)) == {SCHEDULER_PATH, SEAM_TEST_PATH}
+def test_series_touches_the_scheduler_and_appends_to_its_tests(series):
+    counts = numstat(series)
+    assert {SCHEDULER_PATH, SEAM_TEST_PATH} <= set(counts)
+    assert set(counts) <= {SCHEDULER_PATH, SEAM_TEST_PATH, TEST_UTILS_PATH}
+    assert counts[SEAM_TEST_PATH][1] == 0, "cases are appended; vLLM's own tests stay as they are"
+    # Before 0.31 only: create_scheduler() gets scheduler_cls, as 0.31 gave it.
+    assert counts.get(TEST_UTILS_PATH, (3, 1)) == (3, 1)
+    added_to_utils = "".join(added_lines(series, TEST_UTILS_PATH))
+    assert "scheduler_cls" in added_to_utils or TEST_UTILS_PATH not in counts
+
+
+def scheduler_diff_lines(series) -> list[str]:
+    text = series.patches[0].read_text(encoding="utf-8")
+    return text.split(f"+++ b/{SCHEDULER_PATH}\n", 1)[1].split("\ndiff --git ", 1)[0].splitlines()
 
 
 @pytest.mark.parametrize("series", SERIES, ids=lambda s: s.ref)
-def test_scheduler_diff_is_the_method_and_its_call_only(series):
-    text = series.patches[0].read_text(encoding="utf-8")
-    scheduler_part = text.split(f"+++ b/{SCHEDULER_PATH}\n", 1)[1]
-    lines = scheduler_part.splitlines()
-    removed = [ln[1:].strip() for ln in lines if ln.startswith("-")]
+def test_scheduler_diff_is_a_hold_only_seam(series):
+    lines = scheduler_diff_lines(series)
     added = [ln[1:].strip() for ln in lines if ln.startswith("+")]
-    # Removed: the inline check (and what computed its inputs); it all reappears in the method,
-    # except the `if` itself, which becomes the method's `return`.
-    assert removed[-1].startswith("if ") and "self.max_num_" in removed[-1]
-    assert all(line in added for line in removed[:-1])
-    assert f"if self.{SEAM_METHOD}():" in added
-    assert f"def {SEAM_METHOD}(self) -> bool:" in added
-    # The method returns the removed condition (0.24.0's `==` is written `>=`: see the message).
-    condition = removed[-1].removeprefix("if ").removesuffix(":").replace(" == ", " >= ")
-    assert f"return {condition}" in added
-    added_lines, removed_lines = numstat(series)[SCHEDULER_PATH]
-    assert added_lines + removed_lines <= 24, "the non-test diff must stay reviewable at a glance"
+    removed = [ln[1:].strip() for ln in lines if ln.startswith("-")]
+    assert f"def {SEAM_METHOD}(self) -> bool:" in added and "return False" in added
+    # Called right after the release's own slot check, which stays inline (context lines).
+    call = lines.index(f"+{' ' * 16}if self.{SEAM_METHOD}():")
+    assert lines[call - 1].strip() == "break" and lines[call - 1].startswith(" ")
+    assert lines[call - 2].startswith(" ") and "self.max_num_" in lines[call - 2]
+    assert lines[call + 1 : call + 3] == [f"+{' ' * 20}admission_held = True", f"+{' ' * 20}break"]
+    assert "admission_held = False" in added
+    # The one line removed: the cadence's capacity guard, which a hold no longer updates.
+    (guard,) = removed
+    assert guard.startswith("if ") and f"{guard[:-1]} and not admission_held:" in added
+    added_lines_count, removed_lines_count = numstat(series)[SCHEDULER_PATH]
+    assert added_lines_count + removed_lines_count <= 24, "the change must stay reviewable"
 
 
 def test_the_installed_release_regenerates_byte_for_byte():
@@ -105,12 +120,12 @@ def test_check_catches_a_series_that_is_not_what_the_generator_gives(monkeypatch
 
 
 def test_check_catches_a_test_case_the_stored_series_lack(monkeypatch):
-    """Negative control: the authored unit test is in every series (less the cases a release's
-    default does not read), so a case added to it shows up in the check of every release."""
+    """Negative control: the authored test cases are in every series, so a case added to them
+    shows up in the check of every release."""
     import make_series
 
     hand = authored()
-    added = hand._replace(test=hand.test + "\n\ndef test_x():\n    pass\n")
+    added = hand._replace(tests=hand.tests + "\n\ndef test_x():\n    pass\n")
     monkeypatch.setattr(make_series, "authored", lambda: added)
     assert check_series(installed_version(), unpatched_installed_source()) is not None
 
@@ -121,7 +136,7 @@ def test_check_catches_a_method_docstring_the_stored_series_lack(monkeypatch):
 
     hand = authored()
     assert hand.method_head.startswith(f"    def {SEAM_METHOD}(self) -> bool:\n")
-    changed = hand._replace(method_head=hand.method_head.replace("engine stalls", "engine hangs"))
+    changed = hand._replace(method_head=hand.method_head.replace("requests stall", "hang"))
     assert changed != hand
     monkeypatch.setattr(make_series, "authored", lambda: changed)
     assert check_series(installed_version(), unpatched_installed_source()) is not None
@@ -141,16 +156,16 @@ def test_added_lines_fit_vllm_line_length(series):
     assert max(len(line) for line in added) <= 88  # vLLM's ruff line-length
 
 
-def test_pr_description_shows_the_newest_series_diff():
-    """docs/upstream-pr.md quotes the diff against the newest release; it must be the one in the
-    newest series, byte for byte."""
+def test_pr_description_names_the_newest_series_and_agrees_with_its_message():
+    """docs/upstream-pr.md is against the newest release, pastes no diff (the series is the
+    diff), and says what the commit message says of schedule()'s size."""
     doc = (ROOT / "docs" / "upstream-pr.md").read_text(encoding="utf-8")
-    quoted = re.search(r"```diff\n(.*?)```", doc, re.S)
-    assert quoted, "docs/upstream-pr.md has no ```diff block"
-    patch = SERIES[-1].patches[0].read_text(encoding="utf-8")
-    scheduler_part = patch.split(f"+++ b/{SCHEDULER_PATH}\n", 1)[1]
-    assert quoted.group(1) == scheduler_part
-    assert f"vLLM {SERIES[-1].ref.removeprefix('v')}" in doc
+    newest = SERIES[-1]
+    assert f"vLLM {newest.ref.removeprefix('v')}" in doc
+    assert f"upstream_patch/{newest.ref}/seam.patch" in doc
+    assert "```diff" not in doc
+    (size,) = set(re.findall(r"(\d,\d{3}) lines", authored().message))
+    assert f"{size} lines" in doc
 
 
 def test_the_pr_example_holds_back_admission_on_async_scheduling():

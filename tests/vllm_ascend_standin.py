@@ -1,7 +1,7 @@
 """vllm-ascend's own released source in a test process, in a chosen plugin order.
 
 The source is the sdist of a release in ``pins/vllm-ascend.txt``, fetched from the package
-registry (``run_vllm_tests.fetch_sdist``) and unpacked once into the cache; what an Ascend host
+registry (``seam_patch.fetch_sdist``) and unpacked once into the cache; what an Ascend host
 would add is stood in (``tests/ascend_standin/README.md``). A release's source runs only on the
 vLLM it targets, so tests use ``release_for_installed_vllm()`` and skip with the reason elsewhere.
 
@@ -81,7 +81,7 @@ def skip_reason() -> str:
 
 
 def _cache() -> Path:
-    from run_vllm_tests import CACHE
+    from seam_patch import CACHE
 
     return CACHE
 
@@ -110,7 +110,7 @@ def prepared_root(release: str, vllm: str, series: Path | None = None) -> Path:
     ``_build_info.py``, and a dist-info carrying its general-plugin entry points. With
     ``series``, the series is applied first (``series.apply_series`` on the unpacked sdist made
     a git tree). Made once per release and series content, under the cache."""
-    from run_vllm_tests import fetch_sdist
+    from seam_patch import fetch_sdist
 
     key = release
     if series is not None:

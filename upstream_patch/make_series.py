@@ -3,29 +3,39 @@
     python upstream_patch/make_series.py 0.24.0 0.25.0 ...          # wheels from /tmp/wheels or pip
     python upstream_patch/make_series.py --check 0.24.0 0.25.0 ...
 
-For each version: take ``vllm/v1/core/sched/scheduler.py`` from that release's wheel, apply the
-seam (below), add the unit test, and write the commit message followed by the diff (``git diff
---patch-with-stat --full-index``) to ``upstream_patch/v<version>/seam.patch``. The message and the
-unit test are written once, in the newest stored series; an older release gets them with its own
-note on the condition and without the cases its default does not read (``authored``). No author,
-date or ``Signed-off-by`` is written: ``apply.py git`` commits with the submitter's own git
-identity, and the submitter signs off. Regenerating an unchanged release reproduces the same bytes.
+For each version: take ``vllm/v1/core/sched/scheduler.py`` from that release's wheel and
+``tests/v1/core/test_scheduler.py`` and ``utils.py`` from its sdist (``seam_patch.release_files``),
+add the seam and the unit tests (below), and write the commit message followed by the diff (``git
+diff --patch-with-stat --full-index``) to ``upstream_patch/v<version>/seam.patch``. The message,
+the method's docstring and the test cases are written once, in the newest stored series
+(``authored``). No author, date or ``Signed-off-by`` is written: ``apply.py git`` commits with the
+submitter's own git identity, and the submitter signs off. Regenerating an unchanged release
+reproduces the same bytes.
 
 A release's series is stored only where it differs: if the nearest newer stored series applies to
-this release's ``scheduler.py`` and gives byte for byte what the generator gives, that series
-serves this release too and no directory is written (and a stored older series that the new one
-now covers is removed). ``--check`` regenerates each version and compares it, byte for byte, with
-the stored series that serves it.
+this release's files and gives byte for byte what the generator gives, that series serves this
+release too and no directory is written (and a stored older series that the new one now covers is
+removed). ``--check`` regenerates each version and compares it, byte for byte, with the stored
+series that serves it.
 
-The seam is an "extract method" refactoring done mechanically, which is what lets one generator
-follow the WAITING loop across releases: the one ``if <cond>: break`` in ``schedule()`` whose
-condition reads ``self.max_num_*_reqs`` (the check in the WAITING loop on the request-slot limit:
-``max_num_running_reqs`` up to 0.30, ``max_num_active_reqs`` from 0.31) moves, together with the
-comment and assignment lines directly above it, into ``Scheduler._should_stop_admitting_waiting``;
-the loop calls the method. One normalization: an ``==`` slot check becomes ``>=`` (equivalent,
-since ``schedule()`` asserts ``len(self.running) <= max_num_running_reqs``; and the default stays a
-stop should a subclass ever let running exceed the limit). The generator refuses a release where a
-moved assignment is read later in ``schedule()``.
+The seam is hold-only, and added mechanically, which is what lets one generator follow the
+WAITING loop across releases. In ``schedule()``:
+
+- right after the WAITING loop's request-slot check (the one ``if <cond>: break`` whose condition
+  reads ``self.max_num_*_reqs``: ``max_num_running_reqs`` up to 0.30, ``max_num_active_reqs``
+  from 0.31), ``if self._should_stop_admitting_waiting(): admission_held = True; break``. The
+  slot check itself stays inline and unchanged, so an override can only admit less (issue 30: the
+  seam that replaced the check let an override returning False admit past the cap);
+- ``admission_held = False`` directly above that ``while`` loop;
+- the ``if`` that guards the one assignment to ``self.prefill_capacity_bound`` (after the loop:
+  the DP prefill cadence's saturation guard, #44558) also requires ``not admission_held``. A step
+  the hold stopped records nothing: counted as capacity-bound it would let the next throttled
+  step admit off-cadence (docs/design.md, Phase 2B).
+
+The method itself (signature, docstring, ``return False``) goes above ``schedule()``. The tests
+are appended to the release's ``test_scheduler.py``; where its ``create_scheduler()`` has no
+``scheduler_cls`` parameter (before 0.31) the series adds it to ``tests/v1/core/utils.py`` as 0.31
+did, and the message says so.
 """
 
 from __future__ import annotations
@@ -46,39 +56,33 @@ from seam_patch import (  # noqa: E402
     SCHEDULER_PATH,
     SEAM_METHOD,
     SEAM_TEST_PATH,
+    TEST_UTILS_PATH,
     PatchError,
     Series,
+    added_lines,
     all_series,
     apply_series,
     commit_message,
     git,
-    seam_test_text,
+    release_files,
     serving_series,
-    split_at_seam_method,
-    wheel_for,
-    wheel_scheduler_source,
 )
 
 PATCH_NAME = "seam.patch"
-# The sentence of the authored message that a release's note on its condition follows.
+# The sentence of the authored message that a release's note follows.
 NOTE_AFTER = "No behaviour change."
-# Test cases a release gets only where its default reads a field: a word only that case uses ->
-# the field.
-STREAMING_CASE = "resumable"
-RELEASE_CASES = {
-    STREAMING_CASE: "num_waiting_for_streaming_input",
-    "max_num_active_seqs": "max_num_active_reqs",
-}
+HELD = "admission_held"  # the local flag: the seam stopped admission on this step
+CAPACITY_NOTE = f"# A step held back by {SEAM_METHOD}() records nothing."
+SCHEDULER_CLS_NOTE = """
 
-EQ_NOTE = """
+Before 0.31, create_scheduler() in tests/v1/core/utils.py takes no
+scheduler_cls; this series adds it, as 0.31 did, for the new tests."""
 
-The inline check was `==`; the method uses `>=`, which is equivalent here
-because len(self.running) <= self.max_num_running_reqs always holds
-(schedule() asserts it), and it keeps the default a stop if a subclass ever
-lets running exceed the limit."""
-
-_SLOT_CHECK = re.compile(r"^(?P<indent>\s*)if (?P<cond>.*\bself\.max_num_\w+_reqs\b.*):\s*$")
-_ASSIGNMENT = re.compile(r"^\s*(?P<names>[\w, ]+?)\s*=[^=]")
+_SLOT_CHECK = re.compile(r"^(?P<indent>\s*)if .*\bself\.max_num_\w+_reqs\b.*:\s*$")
+_CAPACITY_UPDATE = re.compile(r"^\s*self\.prefill_capacity_bound\s*=[^=]")
+_GUARD = re.compile(r"^(?P<indent>\s*)if (?P<cond>.+):\s*$")
+_FACTORY_END = re.compile(r"^\) -> .*:\s*$")
+_FACTORY_CLASS = re.compile(r"^(?P<indent>\s+)scheduler_cls = .*\n", re.M)
 # What may differ between two series whose text is "the same": blob ids and line numbers.
 _LOCATION = re.compile(r"^(index \S+|@@ -\d+(,\d+)? \+\d+(,\d+)? @@)", re.M)
 
@@ -87,9 +91,22 @@ class SeamError(RuntimeError):
     pass
 
 
-def add_seam(source: str, method_head: str) -> tuple[str, str]:
-    """``source`` with the seam (the method starts with ``method_head``: its signature and
-    docstring); also the commit-message note about the condition (may be '')."""
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _block_head(lines: list[str], at: int, stop: int) -> int:
+    """The nearest line above ``at`` (not above ``stop``) indented less than line ``at``."""
+    depth = _indent(lines[at])
+    for i in range(at - 1, stop, -1):
+        if lines[i].strip() and _indent(lines[i]) < depth:
+            return i
+    raise SeamError(f"no block encloses line {at + 1}")
+
+
+def add_seam(source: str, method_head: str) -> str:
+    """``scheduler.py`` text ``source`` with the seam (the method starts with ``method_head``:
+    its signature and docstring)."""
     lines = source.splitlines(keepends=True)
     schedule_at = next(
         (i for i, ln in enumerate(lines) if ln.startswith("    def schedule(")), None
@@ -110,41 +127,65 @@ def add_seam(source: str, method_head: str) -> tuple[str, str]:
     if len(checks) != 1:
         raise SeamError(f"expected one 'if ...self.max_num_*_reqs: break' in schedule(), {checks}")
     check_at = checks[0]
-    match = _SLOT_CHECK.match(lines[check_at])
-    assert match is not None
-    indent, cond = match.group("indent"), match.group("cond")
-    # The comment and assignment lines directly above the check compute its inputs.
-    first = check_at
-    while first > 0:
-        above = lines[first - 1]
-        same_block = above.startswith(indent) and not above[len(indent)].isspace()
-        if same_block and (above.strip().startswith("#") or _ASSIGNMENT.match(above)):
-            first -= 1
-        else:
-            break
-    pre = lines[first:check_at]
-    later = "".join(lines[check_at + 2 : end_of_schedule])
-    for line in pre:
-        if assignment := _ASSIGNMENT.match(line):
-            for name in assignment.group("names").split(","):
-                if re.search(rf"\b{re.escape(name.strip())}\b", later):
-                    raise SeamError(f"{name.strip()!r} is read after the check; cannot move it")
-    note = ""
-    if re.search(r"\s==\s*self\.max_num_running_reqs", cond):
-        cond = re.sub(r"\s==\s", " >= ", cond)
-        note = EQ_NOTE
-    moved = "".join("        " + ln[len(indent) :] if ln.strip() else ln for ln in pre)
-    method = f"{method_head}{moved}        return {cond}\n\n"
-    call = f"{indent}if self.{SEAM_METHOD}():\n"
+    indent = lines[check_at][: _indent(lines[check_at])]
+    loop_at = _block_head(lines, check_at, schedule_at)
+    if not lines[loop_at].lstrip().startswith("while "):
+        raise SeamError(f"the slot check is not directly in a while loop: {lines[loop_at]!r}")
+    loop_indent = lines[loop_at][: _indent(lines[loop_at])]
+
+    updates = [i for i in range(check_at, end_of_schedule) if _CAPACITY_UPDATE.match(lines[i])]
+    if len(updates) != 1:
+        raise SeamError(f"expected one prefill_capacity_bound update after the loop, {updates}")
+    guard_at = _block_head(lines, updates[0], loop_at)
+    guard = _GUARD.match(lines[guard_at])
+    if guard is None or guard.group("indent") != loop_indent:
+        raise SeamError(f"the capacity update's guard is not an if beside the loop: {guard_at}")
+    cond = guard.group("cond")
+    if re.search(r"\b(or|if|lambda)\b|:=", cond):
+        raise SeamError(f"cannot add 'and not {HELD}' to {cond!r} without parentheses")
+
+    method = f"{method_head}        return False\n\n"
+    call = f"{indent}if self.{SEAM_METHOD}():\n{indent}    {HELD} = True\n{indent}    break\n"
+    new_guard = f"{loop_indent}{CAPACITY_NOTE}\n{loop_indent}if {cond} and not {HELD}:\n"
     new_lines = (
-        lines[:schedule_at] + [method] + lines[schedule_at:first] + [call] + lines[check_at + 1 :]
+        lines[:schedule_at]
+        + [method]
+        + lines[schedule_at:loop_at]
+        + [f"{loop_indent}{HELD} = False\n"]
+        + lines[loop_at : check_at + 2]
+        + [call]
+        + lines[check_at + 2 : guard_at]
+        + [new_guard]
+        + lines[guard_at + 1 :]
     )
-    return "".join(new_lines), note
+    return "".join(new_lines)
+
+
+def add_scheduler_cls(utils: str) -> str:
+    """``tests/v1/core/utils.py`` text whose ``create_scheduler()`` takes ``scheduler_cls``
+    (None: the class it chose before), as 0.31 added it; unchanged where it has it."""
+    head, found, rest = utils.partition("\ndef create_scheduler(\n")
+    if not found:
+        raise SeamError(f"{TEST_UTILS_PATH} has no create_scheduler()")
+    body = rest.split("\ndef ", 1)[0]
+    if "scheduler_cls" in body.split("\n) -> ", 1)[0]:
+        return utils
+    lines = body.splitlines(keepends=True)
+    end = next((i for i, ln in enumerate(lines) if _FACTORY_END.match(ln)), None)
+    if end is None:
+        raise SeamError("create_scheduler()'s signature does not end in ') -> ...:'")
+    lines.insert(end, "    scheduler_cls: type[Scheduler] | None = None,\n")
+    new_body, count = _FACTORY_CLASS.subn(
+        lambda m: f"{m['indent']}if scheduler_cls is None:\n    {m[0]}", "".join(lines)
+    )
+    if count != 1:
+        raise SeamError(f"create_scheduler() assigns scheduler_cls {count} times")
+    return head + found + new_body + rest[len(body) :]
 
 
 class Authored(NamedTuple):
     message: str
-    test: str  # the unit test file
+    tests: str  # the cases appended to test_scheduler.py
     method_head: str  # the seam method's signature and docstring
 
 
@@ -156,64 +197,53 @@ def authored() -> Authored:
     line counts and blob ids, follow).
     """
     newest = all_series()[-1]
-    patch = newest.patches[0]
-    added = [ln[1:] for ln in patch.read_text(encoding="utf-8").splitlines(True) if ln[0] == "+"]
+    added = added_lines(newest, SCHEDULER_PATH)
     start = added.index(f"    def {SEAM_METHOD}(self) -> bool:\n")
     head = "".join(added[start : added.index('        """\n', start) + 1])
-    return Authored(commit_message(patch), seam_test_text(newest), head)
+    tests = "".join(added_lines(newest, SEAM_TEST_PATH))
+    return Authored(commit_message(newest.patches[0]), tests, head)
 
 
 def release_message(message: str, note: str) -> str:
-    """``message`` with this release's note on the condition after its no-change sentence."""
+    """``message`` with this release's note after its no-change sentence."""
     if note and NOTE_AFTER not in message:
         raise SeamError(f"the newest series' message lost {NOTE_AFTER!r}; the note goes after it")
     return message.replace(NOTE_AFTER, NOTE_AFTER + note, 1)
 
 
-def unit_test(seamed_source: str, authored_test: str) -> str:
-    """The test file for this release: the authored one, less the paused-streaming and the
-    max_num_active_seqs cases where the default does not read them. A case is one top-level
-    block (blocks are separated by two blank lines) and is known by a word only it uses."""
-    _, method, _ = split_at_seam_method(seamed_source)
-    dropped = [case for case, read in RELEASE_CASES.items() if read not in method]
-    blocks = authored_test.rstrip("\n").split("\n\n\n")
-    text = "\n\n\n".join(b for b in blocks if not any(case in b for case in dropped)) + "\n"
-    if STREAMING_CASE in dropped:
-        text = text.replace("from vllm.v1.request import RequestStatus\n", "")
-    return text
-
-
-def series_text(source: str) -> tuple[str, dict[str, str]]:
-    """The patch for a release whose ``scheduler.py`` is ``source`` (message, then the diff), and
-    the files it gives (repository path -> text)."""
+def series_text(base: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The patch for a release whose files are ``base`` (``release_files``: message, then the
+    diff), and the files it gives (repository path -> text)."""
     hand = authored()
-    seamed, note = add_seam(source, hand.method_head)
+    utils = add_scheduler_cls(base[TEST_UTILS_PATH])
+    note = SCHEDULER_CLS_NOTE if utils != base[TEST_UTILS_PATH] else ""
+    files = {
+        SCHEDULER_PATH: add_seam(base[SCHEDULER_PATH], hand.method_head),
+        SEAM_TEST_PATH: base[SEAM_TEST_PATH] + hand.tests,
+        TEST_UTILS_PATH: utils,
+    }
     with tempfile.TemporaryDirectory(prefix="vllm-seam-series-") as tmp:
         repo = Path(tmp)
         git(repo, "init", "-q")
-        target = repo / SCHEDULER_PATH
-        target.parent.mkdir(parents=True)
-        target.write_text(source, encoding="utf-8")
-        git(repo, "add", "-A")
-        before = git(repo, "write-tree").stdout.strip()  # no commit, so no identity is needed
-        target.write_text(seamed, encoding="utf-8")
-        test = repo / SEAM_TEST_PATH
-        test.parent.mkdir(parents=True)
-        files = {SCHEDULER_PATH: seamed, SEAM_TEST_PATH: unit_test(seamed, hand.test)}
-        test.write_text(files[SEAM_TEST_PATH], encoding="utf-8")
-        git(repo, "add", "-A")
-        diff = git(repo, "diff", "--cached", "--patch-with-stat", "--full-index", before).stdout
+        trees = []
+        for texts in (base, files):
+            for rel, text in texts.items():
+                (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+                (repo / rel).write_text(text, encoding="utf-8")
+            git(repo, "add", "-A")
+            trees.append(git(repo, "write-tree").stdout.strip())  # no commit: no identity
+        diff = git(repo, "diff", "--patch-with-stat", "--full-index", *trees).stdout
     return release_message(hand.message, note) + "---\n" + diff, files
 
 
-def serves(series: Series, source: str, generated: tuple[str, dict[str, str]]) -> bool:
-    """Whether ``series`` gives, from ``source``, byte for byte what the ``generated`` patch (its
-    text and its files, from ``series_text``) gives."""
+def serves(series: Series, base: dict[str, str], generated: tuple[str, dict[str, str]]) -> bool:
+    """Whether ``series`` gives, from the release files ``base``, byte for byte what the
+    ``generated`` patch (its text and its files, from ``series_text``) gives."""
     text, files = generated
     if _LOCATION.sub("", series.patches[0].read_text(encoding="utf-8")) != _LOCATION.sub("", text):
         return False
     try:
-        return apply_series({SCHEDULER_PATH: source}, series) == files
+        return apply_series(base, series) == files
     except PatchError:
         return False
 
@@ -228,11 +258,11 @@ def neighbours(version: str) -> tuple[Series | None, Series | None]:
 
 def store_series(version: str) -> str:
     """Write (or drop) the release's series; returns what was done, in one line."""
-    source = wheel_scheduler_source(wheel_for(version))
-    generated = series_text(source)
+    base = release_files(version)
+    generated = series_text(base)
     older, newer = neighbours(version)
     directory = PATCH_ROOT / f"v{version}"
-    if newer is not None and serves(newer, source, generated):
+    if newer is not None and serves(newer, base, generated):
         if directory.exists():
             shutil.rmtree(directory)
         return f"v{version}: served by {newer.ref} (same text; not stored)"
@@ -242,23 +272,24 @@ def store_series(version: str) -> str:
     (directory / PATCH_NAME).write_text(generated[0], encoding="utf-8")
     done = f"v{version}: wrote {directory.relative_to(PATCH_ROOT.parent)}/{PATCH_NAME}"
     if older is not None:
-        older_version = older.ref.removeprefix("v")
-        older_source = wheel_scheduler_source(wheel_for(older_version))
+        older_base = release_files(older.ref.removeprefix("v"))
         written = Series(f"v{version}", directory, (directory / PATCH_NAME,))
-        if serves(written, older_source, series_text(older_source)):
+        if serves(written, older_base, series_text(older_base)):
             shutil.rmtree(older.directory)
             done += f"; removed {older.ref} (now served by v{version})"
     return done
 
 
-def check_series(version: str, source: str) -> str | None:
-    """None if the stored series that serves ``version`` is what the generator gives; else why."""
-    generated = series_text(source)
+def check_series(version: str, scheduler_source: str | None = None) -> str | None:
+    """None if the stored series that serves ``version`` is what the generator gives for that
+    release (its wheel's ``scheduler.py``, or ``scheduler_source``); else why."""
+    base = release_files(version, scheduler_source)
+    generated = series_text(base)
     own = PATCH_ROOT / f"v{version}" / PATCH_NAME
     if own.exists():
         return None if own.read_text(encoding="utf-8") == generated[0] else f"{own} differs"
     _, newer = neighbours(version)
-    if newer is None or not serves(newer, source, generated):
+    if newer is None or not serves(newer, base, generated):
         return f"no stored series gives v{version}'s patch (run make_series.py {version})"
     return None
 
@@ -275,13 +306,12 @@ def main(argv: list[str] | None = None) -> int:
             if not args.check:
                 print(store_series(version))
                 continue
-            source = wheel_scheduler_source(wheel_for(version))
-            problem = check_series(version, source)
+            problem = check_series(version)
             served = serving_series(version)
             verdict = f"{served.ref if served else '-'} regenerated byte for byte"
             print(f"v{version}: {problem or verdict}")
             failed |= problem is not None
-        except SeamError as exc:
+        except (SeamError, PatchError) as exc:
             print(f"v{version}: {exc}", file=sys.stderr)
             failed = True
     return 1 if failed else 0

@@ -57,17 +57,19 @@ import support_matrix  # noqa: E402
 from apply import apply_installed  # noqa: E402
 from junit import junit_outcomes, tally  # noqa: E402
 from make_series import SeamError, check_series  # noqa: E402
-from run_vllm_tests import CACHE, pytest_child, vllm_index  # noqa: E402
+from run_vllm_tests import pytest_child  # noqa: E402
 from seam_patch import (  # noqa: E402
+    CACHE,
     SCHEDULER_PATH,
+    SEAM_METHOD,
     SEAM_TEST_PATH,
     PatchError,
     numstat,
     scheduler_text,
     serving_series,
     shadowing,
-    split_at_seam_method,
     unpacked_release,
+    vllm_index,
     wheel_for,
     wheel_scheduler_source,
 )
@@ -142,13 +144,16 @@ def schedule_fingerprint(source: str, version: str) -> str:
     return derive.fingerprint(derive.find_schedule(ast.parse(source), version))
 
 
-def seam_condition(patched: str) -> str:
-    """What the default body checks, described (not quoted: vLLM's code stays in the patches)."""
-    _, body, _ = split_at_seam_method(patched)
-    limit = re.findall(r"self\.(max_num_\w+_reqs)", body)
-    operator = re.findall(r"(>=|==|>)", body)
+def slot_check(patched: str) -> str:
+    """The release's own slot check, which the seam is called right after, described (not quoted:
+    vLLM's code stays in the patches)."""
+    lines = patched.splitlines()
+    call = next(i for i, ln in enumerate(lines) if ln.strip() == f"if self.{SEAM_METHOD}():")
+    check, inputs = lines[call - 2], "\n".join(lines[max(call - 5, 0) : call - 2])
+    limit = re.findall(r"self\.(max_num_\w+_reqs)", check)
+    operator = re.findall(r"(>=|==|>)", check)
     described = f"{operator[-1] if operator else '?'} {limit[-1] if limit else '?'}"
-    if "num_waiting_for_streaming_input" in body:
+    if "num_waiting_for_streaming_input" in inputs + check:
         described += ", counting paused streaming sessions"
     return described
 
@@ -193,7 +198,7 @@ def check_seam(version: str, wheel: Path, tree: Path, neutrality: bool) -> SeamE
     added, removed = counts[SCHEDULER_PATH]
     result.scheduler_diff = f"+{added} -{removed}"
     result.test_lines = counts[SEAM_TEST_PATH][0]
-    result.condition = seam_condition(patched)
+    result.condition = slot_check(patched)
     if not neutrality:
         return result
     env = child_env(tree, seam=False)
@@ -366,7 +371,7 @@ def write_seam_table(evidence: dict) -> None:
     lines = [
         f"Run on Python {sys.version_info.major}.{sys.version_info.minor}.",
         "",
-        "| release | applies | neutral | patch size | seam returns | date |",
+        "| release | applies | neutral | patch size | called after the slot check | date |",
         "|---|---|---|---|---|---|",
     ]
     notes = []

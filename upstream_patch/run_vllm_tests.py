@@ -7,22 +7,23 @@ of the installed vLLM: its unpacked wheel shadows the installed one in the test 
 (``seam_patch.unpacked_release``, as in ``reach.py``). Steps:
 
 1. The sdist of the installed vLLM version (it carries ``tests/``) is fetched from the package
-   registry through PEP 691's JSON form of the simple index (the interface pip itself uses; the
-   ``/pypi/<name>/<version>/json`` API is not reachable here), checked against the index's
-   sha256 and cached under ``~/.cache/vllm-balance/``. ``pip download`` cannot fetch it: it
-   builds metadata first, and vLLM's metadata build fails without CUDA.
+   registry and cached (``seam_patch.fetch_sdist``).
 2. vLLM's ``tests/`` is extracted, without its ``conftest.py`` files (they import model runners
-   and hub clients), plus the series' own test file (``git apply --include`` of the series);
-   pytest runs ``tests/v1/core/test_scheduler.py`` and ``test_async_scheduler.py``
-   (``--balance``: the first only). ``tests/vllm_own_conftest.py`` replaces the conftests.
+   and hub clients), and the series' test part is applied to it (``git apply --include=tests/*``:
+   its cases appended to ``test_scheduler.py``; before 0.31 also ``create_scheduler()``'s
+   ``scheduler_cls``, which the unpatched side's tests ignore); pytest runs
+   ``tests/v1/core/test_scheduler.py`` and ``test_async_scheduler.py`` (``--balance``: the first
+   only, without the series). ``tests/vllm_own_conftest.py`` replaces the conftests.
 3. pytest runs twice, in separate processes: once on the unpatched scheduler and once on the
    patched one. One side is the installed module; the other is the installed source with the
    series applied (or reverted, for an already-seamed vLLM), installed as
    ``vllm.v1.core.sched.scheduler`` by the conftest before any test imports it. The conftest
    reports which side it got, and the script checks it.
 
-Pass: the patched side passes every test the unpatched side passes (same skips), and the series'
-new tests pass on the patched side and fail on the unpatched one (they can tell the difference).
+Pass: the patched side passes every test of vLLM's the unpatched side passes (same skips); the
+series' own tests (the functions it appends) all pass on the patched side, at least one fails on
+the unpatched side (they can tell the two apart), and none fails there only because the method is
+missing (an ``AttributeError`` naming it: a test that proves nothing about the behaviour).
 
 ``--balance --vllm-ascend R`` adds a third side, vllm-ascend release R's own ``BalanceScheduler``
 (its sdist's source, fetched like vLLM's; gate open), reported beside the two and not judged.
@@ -39,7 +40,6 @@ every test upstream passes, with the same skips (contract 2 on vLLM's own tests)
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -47,33 +47,32 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TESTS_DIR = HERE.parent / "tests"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(TESTS_DIR))
-from junit import junit_outcomes, tally  # noqa: E402
+from junit import junit_failures, junit_outcomes, tally  # noqa: E402
 from seam_patch import (  # noqa: E402
     SCHEDULER_PATH,
+    SEAM_METHOD,
     SEAM_TEST_PATH,
     PatchError,
+    fetch_sdist,
+    git_apply,
     installed_version,
     installed_vllm_root,
     match_series,
     scheduler_text,
-    seam_test_text,
+    seam_test_names,
     shadowing,
     unpacked_release,
     wheel_scheduler_source,
 )
 
-CACHE = Path(os.environ.get("VLLM_BALANCE_CACHE", Path.home() / ".cache" / "vllm-balance"))
-INDEX = os.environ.get("VLLM_BALANCE_INDEX", "https://pypi.org/simple")
-ENTRY_TEST = "tests/v1/core/test_scheduler.py"
+ENTRY_TEST = SEAM_TEST_PATH  # vLLM's test_scheduler.py, where the series appends its cases
 ASYNC_TEST = "tests/v1/core/test_async_scheduler.py"
-SEAM_TEST = SEAM_TEST_PATH
 # The seam on vLLM's own tests of both scheduler classes; --balance keeps to test_scheduler.py,
 # which is what nox -s reach records.
 SEAM_ENTRIES = (ENTRY_TEST, ASYNC_TEST)
@@ -85,39 +84,6 @@ CONFTEST = TESTS_DIR / "vllm_own_conftest.py"
 
 class RunError(RuntimeError):
     pass
-
-
-def vllm_index(package: str = "vllm") -> dict:
-    """A package's page of the index in PEP 691's JSON form: its ``files`` and ``versions``."""
-    request = urllib.request.Request(
-        f"{INDEX}/{package}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.load(response)
-
-
-def fetch_sdist(version: str, package: str = "vllm") -> Path:
-    """The cached sdist of ``package`` ``version``, downloaded from the index on first use (also
-    vllm-ascend's: the take-over tests run its source, ``tests/vllm_ascend_standin.py``)."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    target = CACHE / f"{package.replace('-', '_')}-{version}.tar.gz"
-    if target.exists():
-        return target
-    entry = next((f for f in vllm_index(package)["files"] if f["filename"] == target.name), None)
-    if entry is None:
-        raise RunError(f"the index has no {target.name}")
-    digest = hashlib.sha256()
-    # Per process: two reach runs of one release may download it at the same time.
-    partial = target.with_suffix(f".{os.getpid()}.partial")
-    with urllib.request.urlopen(entry["url"], timeout=300) as response, open(partial, "wb") as out:
-        while chunk := response.read(1 << 20):
-            digest.update(chunk)
-            out.write(chunk)
-    if digest.hexdigest() != entry["hashes"]["sha256"]:
-        partial.unlink()
-        raise RunError(f"{target.name}: sha256 mismatch with the index")
-    os.replace(partial, target)
-    return target
 
 
 def extract_tests(sdist: Path, version: str, into: Path) -> int:
@@ -179,65 +145,78 @@ def run_side(
     if not junit.exists():
         raise RunError(f"{name}: pytest produced no report; see {log}")
     side = json.loads(side_file.read_text())
-    return {"outcomes": junit_outcomes(junit), "side": side, "log": str(log)}
+    return {
+        "outcomes": junit_outcomes(junit),
+        "failures": junit_failures(junit),
+        "side": side,
+        "log": str(log),
+    }
 
 
-def is_seam_test(test_id: str) -> bool:
-    """Whether a ``classname::name`` id is one of the series' own tests."""
-    return test_id.split("::")[0].endswith("." + Path(SEAM_TEST).stem)
+def is_seam_test(test_id: str, seam_names: frozenset[str]) -> bool:
+    """Whether a ``classname::name`` id is one of the series' own tests (the functions it
+    appends to test_scheduler.py; a parametrized one is ``name[...]``)."""
+    return test_id.split("::", 1)[-1].split("[", 1)[0] in seam_names
 
 
-def summarize(outcomes: dict[str, str], seam_tests: bool) -> dict[str, int]:
-    return tally(outcomes, lambda test_id: is_seam_test(test_id) == seam_tests)
+def summarize(outcomes: dict[str, str], seam_names: frozenset[str], seam: bool) -> dict:
+    return tally(outcomes, lambda test_id: is_seam_test(test_id, seam_names) == seam)
 
 
-def by_file(outcomes: dict[str, str], entries: tuple[str, ...]) -> dict[str, dict[str, int]]:
-    """Counts per test file; the series' own tests also per scheduler class (``[False]`` sync,
-    ``[True]`` async: they are parametrized over ``async_scheduling``)."""
+def by_file(
+    outcomes: dict[str, str], entries: tuple[str, ...], seam_names: frozenset[str]
+) -> dict[str, dict[str, int]]:
+    """Counts per test file of vLLM's own tests, and the series' tests on their own."""
     counts = {}
     for entry in entries:
         module = entry.removesuffix(".py").replace("/", ".")
-        in_file = [t for t in outcomes if t.split("::")[0] == module]
-        counts[Path(entry).name] = tally({t: outcomes[t] for t in in_file})
-        if entry == SEAM_TEST:
-            for label, param in (("sync", "[False]"), ("async", "[True]")):
-                chosen = {t: outcomes[t] for t in in_file if t.endswith(param)}
-                counts[f"{Path(entry).name} ({label})"] = tally(chosen)
+        in_file = {t: o for t, o in outcomes.items() if t.split("::")[0] == module}
+        counts[Path(entry).name] = summarize(in_file, seam_names, False)
+    if seam_names:
+        counts["the series' tests"] = summarize(outcomes, seam_names, True)
     return counts
 
 
-def lost_tests(reference: dict[str, str], candidate: dict[str, str]) -> tuple[list, list]:
+def lost_tests(
+    reference: dict[str, str], candidate: dict[str, str], seam_names: frozenset[str]
+) -> tuple[list, list]:
     """vLLM's tests the reference passes and the candidate does not; tests whose skip differs."""
-    own = [t for t in reference if not is_seam_test(t)]
+    own = [t for t in reference if not is_seam_test(t, seam_names)]
     lost = [t for t in own if reference[t] == "passed" and candidate.get(t) != "passed"]
     skip_drift = [t for t in own if (reference[t] == "skipped") != (candidate.get(t) == "skipped")]
     return lost, skip_drift
 
 
-def seam_sides(tree: Path, source: str, match, pytest_args: list[str]) -> tuple[dict, list[str]]:
-    """The series on vLLM's own tests: unpatched vs patched, and the series' test on both (what
-    both kinds of side must show, nothing lost and the same skips, ``main`` checks)."""
-    (tree / SEAM_TEST).write_text(seam_test_text(match.series), encoding="utf-8")
+def seam_sides(
+    tree: Path, source: str, match, pytest_args: list[str], seam_names: frozenset[str]
+) -> tuple[dict, list[str]]:
+    """The series on vLLM's own tests: unpatched vs patched, its own tests on both (what both
+    kinds of side must show, nothing lost and the same skips, ``main`` checks)."""
+    applied = git_apply(tree, "--include=tests/*", *map(str, match.series.patches))
+    if applied.returncode != 0:
+        raise RunError(f"the series' tests do not apply to the sdist's: {applied.stderr.strip()}")
     other = tree / "scheduler_other_side.py"
     other.write_text(scheduler_text(source, match.series, reverse=match.already_seamed))
     unpatched_file, patched_file = (other, None) if match.already_seamed else (None, other)
-    tests = (*SEAM_ENTRIES, SEAM_TEST)
     sides = {
-        "unpatched": run_side(tree, "unpatched", unpatched_file, pytest_args, tests),
-        "patched": run_side(tree, "patched", patched_file, pytest_args, tests),
+        "unpatched": run_side(tree, "unpatched", unpatched_file, pytest_args, SEAM_ENTRIES),
+        "patched": run_side(tree, "patched", patched_file, pytest_args, SEAM_ENTRIES),
     }
     problems = []
     for name, result in sides.items():
         if result["side"]["has_seam"] != (name == "patched"):
             problems.append(f"{name} side ran the wrong scheduler: {result['side']}")
     unpatched, patched = sides["unpatched"]["outcomes"], sides["patched"]["outcomes"]
-    seam_ids = [t for t in patched if is_seam_test(t)]
-    seam_fail_patched = [t for t in seam_ids if patched[t] != "passed"]
-    seam_pass_unpatched = [t for t in seam_ids if unpatched.get(t) == "passed"]
-    if not seam_ids or seam_fail_patched:
-        problems.append(f"seam tests fail on the patched side: {seam_fail_patched}")
-    if seam_pass_unpatched:
-        problems.append(f"seam tests pass without the seam (cannot fail): {seam_pass_unpatched}")
+    seam_ids = [t for t in patched if is_seam_test(t, seam_names)]
+    if len(seam_ids) < len(seam_names) or any(patched[t] != "passed" for t in seam_ids):
+        problems.append(f"the series' tests do not all pass patched: {seam_ids}")
+    failing = [t for t in seam_ids if unpatched.get(t) == "failed"]
+    if not failing:
+        problems.append(f"the series' tests all pass without the seam: {seam_ids}")
+    messages = sides["unpatched"]["failures"]
+    missing = [t for t in failing if "AttributeError" in messages[t] and SEAM_METHOD in messages[t]]
+    if missing:
+        problems.append(f"series tests fail unpatched only for the missing method: {missing}")
     return sides, problems
 
 
@@ -295,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     sdist = fetch_sdist(version)
     tree = Path(tempfile.mkdtemp(prefix=f"vllm-{version}-own-tests-"))
-    entries = BALANCE_ENTRIES if args.balance else (*SEAM_ENTRIES, SEAM_TEST)
+    entries = BALANCE_ENTRIES if args.balance else SEAM_ENTRIES
+    # --balance runs vLLM's tests as the sdist has them: the series' tests are not in the tree.
+    seam_names = frozenset() if args.balance else frozenset(seam_test_names(match.series))
     extracted = extract_tests(sdist, version, tree)
     shutil.copyfile(CONFTEST, tree / "conftest.py")
     # pytest's defaults, not the settings of a directory above the tree: nox puts it under this
@@ -310,12 +291,14 @@ def main(argv: list[str] | None = None) -> int:
             ascend_root = prepared_root(args.vllm_ascend, version)
         sides, problems = balance_sides(tree, args.pytest_args, ascend_root)
     else:
-        sides, problems = seam_sides(tree, source, match, args.pytest_args)
+        sides, problems = seam_sides(tree, source, match, args.pytest_args, seam_names)
     reference, candidate = list(sides)[:2]
-    lost, skip_drift = lost_tests(sides[reference]["outcomes"], sides[candidate]["outcomes"])
+    lost, skip_drift = lost_tests(
+        sides[reference]["outcomes"], sides[candidate]["outcomes"], seam_names
+    )
     # Reported, not a problem of this package: what vllm-ascend's copy loses against upstream.
     also_lost = {
-        name: lost_tests(sides[reference]["outcomes"], side["outcomes"])[0]
+        name: lost_tests(sides[reference]["outcomes"], side["outcomes"], seam_names)[0]
         for name, side in list(sides.items())[2:]
     }
     if lost:
@@ -328,9 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         "installed_is_patched": match.already_seamed,
         "extracted_files": extracted,
         # vLLM's own tests (all entry files together; the name is what reach.py reads).
-        "test_scheduler": {n: summarize(s["outcomes"], False) for n, s in sides.items()},
-        "seam_tests": {n: summarize(s["outcomes"], True) for n, s in sides.items()},
-        "by_file": {n: by_file(s["outcomes"], entries) for n, s in sides.items()},
+        "test_scheduler": {
+            n: summarize(s["outcomes"], seam_names, False) for n, s in sides.items()
+        },
+        "seam_tests": {n: summarize(s["outcomes"], seam_names, True) for n, s in sides.items()},
+        "by_file": {n: by_file(s["outcomes"], entries, seam_names) for n, s in sides.items()},
         "logs": {n: s["log"] for n, s in sides.items()},
         "lost": lost,  # vLLM's own tests the reference side passes and the other does not
         "lost_by": also_lost,  # the same for a side beside them (vllm-ascend's scheduler)

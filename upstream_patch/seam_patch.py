@@ -13,11 +13,16 @@ What a series is, and which release each one serves: upstream_patch/README.md an
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
+import tarfile
 import tempfile
+import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +34,15 @@ PATCH_ROOT = Path(__file__).resolve().parent
 SEAM_METHOD = "_should_stop_admitting_waiting"
 SCHEDULER_PATH = "vllm/v1/core/sched/scheduler.py"
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
-SEAM_TEST_PATH = "tests/v1/core/test_scheduler_admission.py"
+# The series appends its cases to vLLM's own scheduler tests; before 0.31 it also gives the test
+# factory create_scheduler() the scheduler_cls parameter those cases use (0.31 added it).
+SEAM_TEST_PATH = "tests/v1/core/test_scheduler.py"
+TEST_UTILS_PATH = "tests/v1/core/utils.py"
+TEST_PATHS = (SEAM_TEST_PATH, TEST_UTILS_PATH)
 WHEEL_DIR = Path("/tmp/wheels")  # release wheels, kept between runs
+# Release sdists (they carry vLLM's tests/), kept between runs.
+CACHE = Path(os.environ.get("VLLM_BALANCE_CACHE", Path.home() / ".cache" / "vllm-balance"))
+INDEX = os.environ.get("VLLM_BALANCE_INDEX", "https://pypi.org/simple")
 
 
 class PatchError(RuntimeError):
@@ -135,9 +147,21 @@ def scheduler_text(source: str, series: Series, reverse: bool = False) -> str:
     return files[SCHEDULER_PATH]
 
 
-def seam_test_text(series: Series) -> str:
-    """The unit test file the series adds to vLLM's tests/."""
-    return apply_series({}, series, include=SEAM_TEST_PATH)[SEAM_TEST_PATH]
+def added_lines(series: Series, path: str) -> list[str]:
+    """The lines the series adds to ``path`` (keepends), in order: what is written by hand
+    (``make_series.authored``) and the test cases it appends."""
+    text = series.patches[0].read_text(encoding="utf-8")
+    _, found, part = text.partition(f"\n+++ b/{path}\n")
+    if not found:
+        return []
+    end = part.find("\ndiff --git ")
+    part = part if end < 0 else part[: end + 1]
+    return [line[1:] for line in part.splitlines(keepends=True) if line.startswith("+")]
+
+
+def seam_test_names(series: Series) -> list[str]:
+    """The test functions the series appends to vLLM's test_scheduler.py."""
+    return re.findall(r"^def (test_\w+)\(", "".join(added_lines(series, SEAM_TEST_PATH)), re.M)
 
 
 def numstat(series: Series) -> dict[str, tuple[int, int]]:
@@ -222,6 +246,70 @@ def shadowing(tree: Path) -> dict[str, str]:
     """This process's environment with ``tree`` first on ``PYTHONPATH``."""
     path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
     return dict(os.environ, PYTHONPATH=path)
+
+
+def vllm_index(package: str = "vllm") -> dict:
+    """A package's page of the index in PEP 691's JSON form: its ``files`` and ``versions``."""
+    request = urllib.request.Request(
+        f"{INDEX}/{package}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)
+
+
+def fetch_sdist(version: str, package: str = "vllm") -> Path:
+    """The cached sdist of ``package`` ``version`` (vLLM's, or vllm-ascend's for the take-over
+    tests), downloaded from the index on first use.
+
+    Through PEP 691's JSON form of the simple index (the interface pip itself uses), checked
+    against the index's sha256. ``pip download`` cannot fetch it: it builds metadata first, and
+    vLLM's metadata build fails without CUDA.
+    """
+    CACHE.mkdir(parents=True, exist_ok=True)
+    target = CACHE / f"{package.replace('-', '_')}-{version}.tar.gz"
+    if target.exists():
+        return target
+    entry = next((f for f in vllm_index(package)["files"] if f["filename"] == target.name), None)
+    if entry is None:
+        raise PatchError(f"the index has no {target.name}")
+    digest = hashlib.sha256()
+    # Per process: two reach runs of one release may download it at the same time.
+    partial = target.with_suffix(f".{os.getpid()}.partial")
+    with urllib.request.urlopen(entry["url"], timeout=300) as response, open(partial, "wb") as out:
+        while chunk := response.read(1 << 20):
+            digest.update(chunk)
+            out.write(chunk)
+    if digest.hexdigest() != entry["hashes"]["sha256"]:
+        partial.unlink()
+        raise PatchError(f"{target.name}: sha256 mismatch with the index")
+    os.replace(partial, target)
+    return target
+
+
+def sdist_test_files(version: str) -> dict[str, str]:
+    """The release's own test files the series changes (``TEST_PATHS``), from its sdist."""
+    prefix = f"vllm-{version}/"
+    with tarfile.open(fetch_sdist(version)) as tar:
+        found = {
+            member.name.removeprefix(prefix): member
+            for member in tar
+            if member.name.removeprefix(prefix) in TEST_PATHS
+        }
+        missing = set(TEST_PATHS) - set(found)
+        if missing:
+            raise PatchError(f"vllm-{version}.tar.gz has no {', '.join(sorted(missing))}")
+        return {
+            path: tar.extractfile(member).read().decode("utf-8")  # type: ignore[union-attr]
+            for path, member in found.items()
+        }
+
+
+def release_files(version: str, scheduler_source: str | None = None) -> dict[str, str]:
+    """What a series changes, as release ``version`` ships it: ``scheduler.py`` from its wheel
+    (or ``scheduler_source``), the test files from its sdist (repository path -> text)."""
+    if scheduler_source is None:
+        scheduler_source = wheel_scheduler_source(wheel_for(version))
+    return {SCHEDULER_PATH: scheduler_source, **sdist_test_files(version)}
 
 
 def wheel_scheduler_source(wheel: Path) -> str:
