@@ -1,15 +1,23 @@
 """Derive the Phase 2A ``schedule()`` from the installed vLLM's own source, at import time.
 
-Phase 2A is upstream ``Scheduler.schedule`` plus exactly three deltas:
+Phase 2A is upstream ``Scheduler.schedule`` plus four deltas, the same change the seam series
+(upstream_patch/) makes, with the gate where the seam's call is:
 
 1. disabled path: ``if not self._balance_enabled: return super().schedule(throttle_prefills)``
    as the first statement, so a config without balance runs upstream verbatim (contract 4);
-2. the gate: ``if self.admission_frozen: break`` as the first statement of the WAITING loop,
-   before upstream's own stop check, reading the value the mixin computed once for this step;
+2. the gate: ``if self.admission_frozen: admission_held = True; break`` right after upstream's
+   own request-slot check in the WAITING loop (which stays, so the gate can only hold back),
+   reading the value the mixin computed once for this step; ``admission_held = False`` goes
+   directly above the loop;
 3. ``if request_queue is None: break`` instead of upstream's ``assert request_queue is not None``,
    where upstream has that assert (0.24-0.30). 0.31 reworked the loop to break on an empty
    queue itself and has no such assert: there is nothing to replace, so delta 3 is not applied
-   (the generated header says so) rather than matched against some other statement.
+   (the generated header says so) rather than matched against some other statement;
+4. the ``if`` after the loop that guards upstream's one update of ``self.prefill_capacity_bound``
+   (the DP prefill cadence's saturation guard) also requires ``not admission_held``: a step the
+   gate stopped records nothing, as on the seam (a hold is a policy, not a capacity limit;
+   docs/design.md, Phase 2B). Where ``schedule()`` never assigns that attribute there is nothing
+   to guard and delta 4 is not applied, like delta 3.
 
 The WAITING loop is found by what makes it the WAITING loop in every release, not by its
 header (which names ``skipped_waiting`` up to 0.30 and became ``while token_budget > 0`` in 0.31):
@@ -76,6 +84,7 @@ WAITING_LOOP = "while ...: if <...self.max_num_*_reqs...>: break"
 SLOT_LIMIT = re.compile(r"max_num_\w+_reqs")
 QUEUE_SELECTION = "request_queue = self._select_waiting_queue_for_scheduling()"
 QUEUE_ASSERT = "assert request_queue is not None"
+CAPACITY_GUARD = "if <...>: self.prefill_capacity_bound = ... (after the WAITING loop)"
 
 # The deltas, each led by the comment naming it (relative indentation; no upstream text).
 DELTA_DISABLED_PATH = (
@@ -83,15 +92,24 @@ DELTA_DISABLED_PATH = (
     "if not self._balance_enabled:",
     "    return super().schedule(throttle_prefills)",
 )
+DELTA_HOLD_FLAG = (
+    "# Phase 2A delta 2 (gate), its flag: set where the gate stops admission (delta 4 reads it).",
+    "admission_held = False",
+)
 DELTA_GATE = (
     "# Phase 2A delta 2 (gate): a DP leader at the cap freezes admission for this step.",
     "if self.admission_frozen:",
+    "    admission_held = True",
     "    break",
 )
 DELTA_NO_QUEUE = (
     "# Phase 2A delta 3: no waiting queue to admit from ends admission (was an assert).",
     "if request_queue is None:",
     "    break",
+)
+DELTA_CAPACITY = (
+    "# Phase 2A delta 4 (capacity): a step the gate held back records nothing.",
+    " and not admission_held",  # appended to the condition of upstream's `if`
 )
 
 
@@ -309,6 +327,47 @@ def _queue_assert(fn: ast.FunctionDef, loop: ast.While, vllm_version: str) -> as
     return stmts[index]
 
 
+def _assigns_capacity_bound(node: ast.AST) -> bool:
+    targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+    return isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and any(
+        isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "self"
+        and target.attr == "prefill_capacity_bound"
+        for target in targets
+    )
+
+
+def _capacity_guard(fn: ast.FunctionDef, loop: ast.While, vllm_version: str) -> ast.If | None:
+    """The ``if`` after the WAITING loop (in the loop's own block) whose body updates
+    ``self.prefill_capacity_bound``, with a one-line condition delta 4 can extend.
+
+    None when ``schedule()`` never assigns that attribute: delta 4 has nothing to guard. An
+    update anywhere else, or a condition that ``and not admission_held`` would not simply extend,
+    is a changed anchor and fails closed.
+    """
+    updates = [node for node in ast.walk(fn) if _assigns_capacity_bound(node)]
+    if not updates:
+        return None
+    anchor = CAPACITY_GUARD
+    update = _exactly_one(anchor, updates, vllm_version)
+    block = next(stmts for stmts in _statement_lists(fn) if any(s is loop for s in stmts))
+    after_loop = block[[id(s) for s in block].index(id(loop)) + 1 :]
+    guards = [
+        stmt
+        for stmt in after_loop
+        if isinstance(stmt, ast.If) and not stmt.orelse and any(s is update for s in stmt.body)
+    ]
+    guard = _exactly_one(anchor, guards, vllm_version)
+    test = guard.test
+    loose = isinstance(test, (ast.IfExp, ast.Lambda, ast.NamedExpr)) or (
+        isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or)
+    )
+    if loose or test.end_lineno != guard.lineno:
+        raise _anchor_error(anchor, "has a condition delta 4 cannot extend", vllm_version)
+    return guard
+
+
 Edit = tuple[int, int, list[str]]  # (0-based line, number of lines replaced, new lines)
 
 
@@ -325,50 +384,83 @@ class DerivedSource:
     fingerprint: str
     source: str  # the generated module text: a header comment and ``class Phase2ASchedule``
     replaces_queue_assert: bool  # whether delta 3 applied (upstream asserts a queue exists)
+    guards_capacity_update: bool  # whether delta 4 applied (upstream has the cadence's guard)
+
+
+def _deltas_named(queue_assert: bool, capacity: bool) -> str:
+    """The header's words for what was spliced in."""
+    missing = [
+        reason
+        for applied, reason in (
+            (queue_assert, "delta 3 not applicable: upstream has no queue assert"),
+            (capacity, "delta 4 not applicable: upstream has no prefill_capacity_bound"),
+        )
+        if not applied
+    ]
+    count = ("two", "three", "four")[2 - len(missing)]
+    return f"{count} deltas" + (f" ({'; '.join(missing)})" if missing else "")
 
 
 def derive_source(module_source: str, vllm_version: str, origin: str = "") -> DerivedSource:
-    """Splice the three deltas into ``Scheduler.schedule`` of ``module_source``.
+    """Splice the deltas into ``Scheduler.schedule`` of ``module_source``.
 
     Every anchor is located in the AST and must match exactly once; the edits insert or replace
-    whole lines, so everything else stays upstream's text, comments included.
+    whole lines (delta 4 extends one line's condition), so everything else stays upstream's
+    text, comments included.
     """
     fn = find_schedule(ast.parse(module_source), vllm_version)
     _check_signature(fn, vllm_version)
     loop = waiting_loop(fn, vllm_version)
+    slot_check = _exactly_one(
+        WAITING_LOOP, [s for s in loop.body if is_slot_check(s)], vllm_version
+    )
     queue_assert = _queue_assert(fn, loop, vllm_version)
+    guard = _capacity_guard(fn, loop, vllm_version)
     lines = module_source.splitlines(keepends=True)
-    first, gated = fn.body[0], loop.body[0]
+    first = fn.body[0]
     _starts_line(first, lines, "schedule()'s first statement", vllm_version)
+    _starts_line(loop, lines, WAITING_LOOP, vllm_version)
+    _ends_line(slot_check, lines, WAITING_LOOP, vllm_version)
 
     has_docstring = _without_docstring(fn) is not fn
     disabled_at = _last_line(first) if has_docstring else _body_start(fn, fn.body, lines)
-    gate_at = _body_start(loop, loop.body, lines)
     edits: list[Edit] = [
         (disabled_at, 0, _indented(DELTA_DISABLED_PATH, first.col_offset)),
-        (gate_at, 0, _indented(DELTA_GATE, gated.col_offset)),
+        (_first_line(loop) - 1, 0, _indented(DELTA_HOLD_FLAG, loop.col_offset)),
+        (_last_line(slot_check), 0, _indented(DELTA_GATE, slot_check.col_offset)),
     ]
-    delta3 = "exactly three deltas"
-    if queue_assert is None:
-        delta3 = "two deltas (delta 3 not applicable: upstream has no queue assert)"
-    else:
+    if queue_assert is not None:
         _starts_line(queue_assert, lines, QUEUE_ASSERT, vllm_version)
         _ends_line(queue_assert, lines, QUEUE_ASSERT, vllm_version)
         assert_lines = _last_line(queue_assert) - queue_assert.lineno + 1
         at = queue_assert.lineno - 1
         edits.append((at, assert_lines, _indented(DELTA_NO_QUEUE, queue_assert.col_offset)))
+    if guard is not None:
+        _starts_line(guard, lines, CAPACITY_GUARD, vllm_version)
+        header = lines[guard.lineno - 1].encode()
+        # Before the `if`'s own colon: the first after the condition (a closing parenthesis of
+        # the condition may come first, a trailing comment after).
+        colon = header.index(b":", guard.test.end_col_offset or 0)
+        extended = (header[:colon] + DELTA_CAPACITY[1].encode() + header[colon:]).decode()
+        comment = _indented(DELTA_CAPACITY[:1], guard.col_offset)
+        edits.append((guard.lineno - 1, 1, [*comment, extended]))
     added = sum(len(new) - removed for _, removed, new in edits)
     method = _splice(lines, edits)[_first_line(fn) - 1 : _last_line(fn) + added]
     schedule_fingerprint = fingerprint(fn)
-    header = [
+    deltas = _deltas_named(queue_assert is not None, guard is not None)
+    header_lines = [
         f"# Generated by vllm_balance.compat.derive from {origin or '<source>'}\n",
         f"# (vLLM {vllm_version}, schedule() fingerprint {schedule_fingerprint}).\n",
-        f"# Upstream's Scheduler.schedule plus {delta3}, marked 'Phase 2A delta'.\n",
+        f"# Upstream's Scheduler.schedule plus {deltas}, marked 'Phase 2A delta'.\n",
         "# Regenerated at every import; editing this file changes nothing that runs.\n",
         f"class {CLASS_NAME}(Scheduler):\n",
     ]
     return DerivedSource(
-        fn, schedule_fingerprint, "".join(header + method), queue_assert is not None
+        fn,
+        schedule_fingerprint,
+        "".join(header_lines + method),
+        queue_assert is not None,
+        guard is not None,
     )
 
 
@@ -448,7 +540,7 @@ def build_phase2a_schedule(module: ModuleType | None = None) -> type:
     cls = namespace[CLASS_NAME]
     assert isinstance(cls, type)
     cls.__module__ = __name__
-    cls.__doc__ = f"Upstream Scheduler.schedule + the three Phase 2A deltas ({filename})."
+    cls.__doc__ = f"Upstream Scheduler.schedule + the Phase 2A deltas ({filename})."
     return cls
 
 

@@ -1,10 +1,11 @@
 """The Phase 2A balance schedulers: the shim's mixin in front of the derived ``schedule()``.
 
 MRO: ``BalanceSchedulerMixin.schedule`` (computes ``admission_frozen`` once per step) ->
-``Phase2ASchedule.schedule`` (upstream's body + 3 deltas; balance off delegates straight to
-``super().schedule``) -> upstream ``Scheduler.schedule``. For the async variant the MRO places
-``AsyncScheduler`` after ``Phase2ASchedule``, so its ``_update_after_schedule`` and friends still
-apply and delta 1 reaches upstream through it.
+``Phase2ASchedule.schedule`` (upstream's body + the Phase 2A deltas; balance off delegates
+straight to ``super().schedule``) -> upstream ``Scheduler.schedule``. For the async variant the
+MRO places ``AsyncScheduler`` after ``Phase2ASchedule``, so its ``_update_after_schedule`` and
+friends still apply and delta 1 reaches upstream through it. The mixin's seam override is never
+called here: the derived loop reads ``admission_frozen`` itself (delta 2).
 
 Importing this module derives the method (see ``derive``); it fails closed with
 ``Phase2AUnavailable`` on a vLLM whose ``schedule()`` is not verified.
@@ -29,18 +30,9 @@ else:
     Phase2ASchedule = derive_phase2a_schedule()
 
 
-class Phase2ASeam:
-    """The seam the shim's mixin binds; the derived ``schedule()`` never calls it."""
-
-    def _should_stop_admitting_waiting(self) -> bool:
-        return False
-
-
-class CompatBalanceScheduler(BalanceSchedulerMixin, Phase2ASeam, Phase2ASchedule):
+class CompatBalanceScheduler(BalanceSchedulerMixin, Phase2ASchedule):
     """Balance on the synchronous ``Scheduler`` of a vLLM without the seam."""
 
 
-class CompatBalanceAsyncScheduler(
-    BalanceSchedulerMixin, Phase2ASeam, Phase2ASchedule, AsyncScheduler
-):
+class CompatBalanceAsyncScheduler(BalanceSchedulerMixin, Phase2ASchedule, AsyncScheduler):
     """Balance on ``AsyncScheduler`` (vLLM's default) of a vLLM without the seam."""

@@ -65,9 +65,6 @@ class BalanceSchedulerMixin:
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)  # type: ignore[call-arg]
-        # Bound once: the seam is called per WAITING-loop iteration, and a super() lookup per call
-        # would cost the shim ~1% of an admission-heavy step (benchmarks/instructions.py).
-        self._upstream_should_stop = super()._should_stop_admitting_waiting  # type: ignore[misc]
         self._balance_enabled = balance_enabled(vllm_config)
         # Injected by BalanceDPEngineCoreProc: the gloo DP group exists before the scheduler.
         self.dp_group: Any = None
@@ -180,7 +177,9 @@ class BalanceSchedulerMixin:
         return super().schedule(throttle_prefills)  # type: ignore[misc]
 
     def _should_stop_admitting_waiting(self) -> bool:
-        return self._upstream_should_stop() or self.admission_frozen  # type: ignore[misc]
+        """The seam: hold-only, so upstream's own slot check has run inline already and this
+        can only hold back (docs/design.md, Phase 2B)."""
+        return self.admission_frozen
 
 
 class BalanceScheduler(BalanceSchedulerMixin, Scheduler):

@@ -235,8 +235,11 @@ class GateOracle(Side):
     the vector itself: the scripted one (queue modes), or in ``oracle_gather`` the other ranks'
     scripted counts around its own ``len(running)``, as the real gather does.
 
-    The contract puts the gate at the top of the WAITING loop: on a frozen step the loop body
-    never runs, everything else of ``schedule()`` runs as upstream's. The oracle gets exactly
+    The gate sits right after upstream's own stop check in the WAITING loop: on a frozen step the
+    loop body never runs, everything else of ``schedule()`` runs as upstream's (but for
+    ``prefill_capacity_bound``, which a frozen step leaves as it was and this construction sets:
+    only a throttled step reads it, and these workloads never throttle; tests/test_contract.py
+    covers it). The oracle gets exactly
     that from upstream's own stop check: for the duration of a frozen ``schedule()`` it sets
     the admission limit (``max_num_running_reqs``; ``max_num_active_reqs`` from 0.31) to
     ``len(running)`` at entry, and restores it afterwards.
@@ -271,16 +274,16 @@ class GateOracle(Side):
         if self.mode == "gate_open":
             assert not self.frozen, "gate_open workloads keep every rank below the cap"
 
-    def schedule(self):
+    def schedule(self, throttle_prefills: bool):
         scheduler = self.scheduler
         if not self.frozen:
-            return scheduler.schedule()
+            return scheduler.schedule(throttle_prefills)
         # 0.31+ reads max_num_active_reqs only in that stop check (the assert reads the other).
         limit = admission_limit(scheduler)
         cap = getattr(scheduler, limit)
         setattr(scheduler, limit, len(scheduler.running))
         try:
-            output = scheduler.schedule()
+            output = scheduler.schedule(throttle_prefills)
         finally:
             setattr(scheduler, limit, cap)
         # The construction's own check: a frozen step admits nothing from the waiting queues.

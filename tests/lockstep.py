@@ -87,7 +87,9 @@ class Workload:
     """A scheduler configuration and what happens to it, independent of any scheduler class.
 
     ``dp_size`` and ``gathered`` matter only to the balance differential (the seam one runs one
-    rank and gathers nothing).
+    rank and gathers nothing). ``prefill_interval`` is vLLM's DP prefill cadence as its DP engine
+    core drives it (``prefill_schedule_interval``, #44558): ``schedule(throttle_prefills=True)``
+    on every step whose index is not a multiple of it; 1, the default, never throttles.
     """
 
     cap: int  # max_num_seqs == max_num_running_reqs
@@ -99,6 +101,11 @@ class Workload:
     long_prefill_token_threshold: int = 0
     dp_size: int = 1
     gathered: tuple[Gathered, ...] = ()  # per step, cycled
+    prefill_interval: int = 1
+
+    def throttled(self, step_index: int) -> bool:
+        """As ``DPEngineCoreProc._should_throttle_prefills`` decides for its step counter."""
+        return self.prefill_interval > 1 and step_index % self.prefill_interval != 0
 
     def vector(self, step_index: int, ranks: int) -> list[int]:
         """The scripted counts of ``ranks`` ranks for one step."""
@@ -118,7 +125,8 @@ class Workload:
             f"Workload(cap={self.cap}, max_num_batched_tokens={self.max_num_batched_tokens}, "
             f"long_prefill_token_threshold={self.long_prefill_token_threshold}, "
             f"num_gpu_blocks={self.num_gpu_blocks}, "
-            f"prefix_caching={self.enable_prefix_caching}, dp_size={self.dp_size},\n"
+            f"prefix_caching={self.enable_prefix_caching}, dp_size={self.dp_size}, "
+            f"prefill_interval={self.prefill_interval},\n"
             f"  requests=[{', '.join(map(repr, self.requests))}],\n"
             f"  aborts=[{aborts}]{gathered})"
         )
@@ -249,6 +257,8 @@ def step_facts(scheduler, output) -> set[str]:
     waiting = scheduler.get_request_counts()[1] > 0
     if waiting and len(scheduler.running) == getattr(scheduler, admission_limit(scheduler)):
         found.add("cap_reached_with_waiting")
+    if scheduler.prefill_capacity_bound:
+        found.add("prefill_capacity_bound")
     return found
 
 
@@ -265,8 +275,8 @@ class Side:
     def before_schedule(self, step_index: int) -> None:
         """After the step's arrivals and aborts, before ``schedule()``."""
 
-    def schedule(self):
-        return self.scheduler.schedule()
+    def schedule(self, throttle_prefills: bool):
+        return self.scheduler.schedule(throttle_prefills)
 
     def after_step(self, step_index: int) -> str | None:
         """After ``update_from_output()`` and the comparison: what is wrong, or None."""
@@ -280,8 +290,8 @@ class Side:
         """A line for the failure report (e.g. the gathered vector this step acted on)."""
         return None
 
-    def step(self) -> tuple[Any, dict]:
-        output = self.schedule()
+    def step(self, throttle_prefills: bool = False) -> tuple[Any, dict]:
+        output = self.schedule(throttle_prefills)
         engine_outputs = self.scheduler.update_from_output(
             output, factories.model_runner_output(output, self.scheduler)
         )
@@ -347,16 +357,19 @@ def lockstep(workload: Workload, sides: Sequence[Side]) -> Run:
             break
         for side in sides:
             side.before_schedule(step_index)
-        output, expected = reference.step()
+        throttle = workload.throttled(step_index)
+        output, expected = reference.step(throttle)
         for side in others:
             try:
-                observed = side.step()[1]
+                observed = side.step(throttle)[1]
             except Exception as exc:  # an outcome: the reference did not raise
                 diverged(workload, step_index, f"{side.name} raised {exc!r}", sides)
             difference = factories.observation_difference(observed, expected)
             if difference:
                 diverged(workload, step_index, difference, sides)
         run.facts.update(step_facts(reference.scheduler, output) | reference.facts(output))
+        if throttle and reference.scheduler.get_request_counts()[1]:
+            run.facts["throttled_with_waiting"] += 1
         for side in sides:
             problem = side.after_step(step_index)
             if problem:

@@ -1,13 +1,16 @@
 """Differential test driver: two Scheduler classes, one workload, the same outputs step by step.
 
-The seam must not change behaviour, so the unpatched and the patched ``Scheduler`` of the same
-vLLM are run on the same workload by ``lockstep`` (the engine the balance differential uses
+The seam must not change behaviour (by default it holds nothing back, and the capacity flag it
+guards is then never skipped), so the unpatched and the patched ``Scheduler`` of the same vLLM
+are run on the same workload by ``lockstep`` (the engine the balance differential uses
 too), which compares everything observable after every step: the ``SchedulerOutput``
 (new/cached/resumed/preempted/finished requests, tokens per request, block ids), the request
 outputs fed back by ``update_from_output`` (tokens, finish reasons), and the scheduler's queues,
 per-request progress and free KV blocks. An exception of the candidate is an outcome too (a
 wrong seam that trips ``schedule()``'s own ``assert len(self.running) <= max_num_running_reqs``
-diverges, it does not crash the test); one of the unpatched baseline is a test error.
+diverges, it does not crash the test); one of the unpatched baseline is a test error. Workloads
+may throttle prefill as vLLM's DP engine core does (``Workload.prefill_interval``), which is what
+reads the capacity flag.
 
 The two classes come from upstream_patch/seam_patch.py: the installed module, and a copy of its
 source with the series applied (or reverted, when the installed vLLM is the seamed one) loaded
@@ -31,7 +34,6 @@ from seam_patch import (
     load_scheduler_module,
     match_series,
     scheduler_text,
-    split_at_seam_method,
 )
 
 
@@ -68,24 +70,30 @@ def twins() -> Twins:
 
 
 def mutant(patched_source: str, name: str) -> type:
-    """A deliberately wrong seam (negative control), built from the patched source.
+    """A deliberately wrong seam series (negative control), built from the patched source.
 
-    ``off_by_one_gt``: ``>`` where the default has ``>=`` (or ``==``): admits one request past
-    the slot limit. ``cap_minus_one``: the limit minus one, the variant that once shipped in
-    vllm-ascend and was reverted for a TTFT regression: admits one request too few.
+    On the release's slot check, which the seam leaves inline right above its call:
+    ``off_by_one_gt``, ``>`` where it has ``>=`` (or ``==``): admits one request past the slot
+    limit; ``cap_minus_one``, the limit minus one (the variant that once shipped in vllm-ascend and
+    was reverted for a TTFT regression): admits one request too few. On the capacity exclusion:
+    ``held_on_slot_break``, the hold's flag also set where the slot check stops admission, so a
+    rank at its own cap no longer records capacity-bound for vLLM's prefill cadence.
     """
-    head, method, tail = split_at_seam_method(patched_source)
-    lines = method.split("\n")
-    at = max(i for i, ln in enumerate(lines) if ln.strip().startswith("return "))
+    lines = patched_source.split("\n")
+    call = next(i for i, ln in enumerate(lines) if ln.strip() == f"if self.{SEAM_METHOD}():")
+    slot, slot_break = call - 2, call - 1
+    assert lines[slot_break].strip() == "break" and "self.max_num_" in lines[slot]
+    count = 1
     if name == "off_by_one_gt":
-        wrong, count = re.subn(r">=|==", ">", lines[at])
+        lines[slot], count = re.subn(r">=|==", ">", lines[slot])
     elif name == "cap_minus_one":
-        wrong, count = re.subn(r"(self\.max_num_\w+_reqs)", r"(\1 - 1)", lines[at])
+        lines[slot], count = re.subn(r"(self\.max_num_\w+_reqs)", r"(\1 - 1)", lines[slot])
+    elif name == "held_on_slot_break":
+        lines.insert(slot_break, lines[call + 1])  # the call's own `admission_held = True`
     else:
         raise ValueError(name)
-    assert count == 1, f"mutant {name}: cannot find its target in {lines[at]!r}"
-    lines[at] = wrong
-    source = head + "\n".join(lines) + tail
+    assert count == 1, f"mutant {name}: cannot find its target in {lines[slot]!r}"
+    source = "\n".join(lines)
     return load_scheduler_module(source, f"vllm_balance_mutant_{name}_scheduler").Scheduler
 
 

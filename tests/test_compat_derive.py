@@ -35,8 +35,11 @@ from factories import add_requests, make_requests, make_scheduler
 from vllm_balance.compat import derive
 from vllm_balance.compat.derive import (
     ALLOW_UNVERIFIED_ENV,
+    CAPACITY_GUARD,
+    DELTA_CAPACITY,
     DELTA_DISABLED_PATH,
     DELTA_GATE,
+    DELTA_HOLD_FLAG,
     DELTA_NO_QUEUE,
     QUEUE_ASSERT,
     QUEUE_SELECTION,
@@ -62,15 +65,35 @@ def upstream_schedule_ast() -> ast.FunctionDef:
     return derive.find_schedule(ast.parse(inspect.getsource(scheduler_module)), "installed")
 
 
+def installed_derivation() -> derive.DerivedSource:
+    return derive.derive_source(inspect.getsource(scheduler_module), "x")
+
+
 def upstream_asserts_a_queue() -> bool:
     """Whether the installed schedule() has the assert delta 3 replaces (0.24-0.30 do)."""
-    return derive.derive_source(inspect.getsource(scheduler_module), "x").replaces_queue_assert
+    return installed_derivation().replaces_queue_assert
 
 
 needs_queue_assert = pytest.mark.skipif(
     not upstream_asserts_a_queue(),
     reason="this vLLM's WAITING loop has no queue assert: delta 3 does not apply",
 )
+
+
+def expected_counts(queue_assert: bool = True, capacity: bool = True) -> dict[str, int]:
+    """What strip_deltas counts in a derived schedule()."""
+    return {
+        "disabled path": 1,
+        "hold flag": 1,
+        "gate": 1,
+        "no queue": int(queue_assert),
+        "capacity": int(capacity),
+    }
+
+
+def installed_counts() -> dict[str, int]:
+    derived = installed_derivation()
+    return expected_counts(derived.replaces_queue_assert, derived.guards_capacity_update)
 
 
 def generated_source() -> str:
@@ -89,15 +112,34 @@ def delta_dump(block: tuple[str, ...]) -> str:
     return normalized_dump(ast.parse("\n".join(block)).body[0])
 
 
+def _capacity_extension(node: ast.AST) -> bool:
+    """An ``if`` whose condition delta 4 extended (``... and not admission_held``)."""
+    held = normalized_dump(ast.parse(DELTA_CAPACITY[1].removeprefix(" and "), mode="eval").body)
+    test = getattr(node, "test", None)
+    return (
+        isinstance(node, ast.If)
+        and isinstance(test, ast.BoolOp)
+        and isinstance(test.op, ast.And)
+        and normalized_dump(test.values[-1]) == held
+    )
+
+
 def strip_deltas(
     fn: ast.FunctionDef, docstring: bool = False
 ) -> tuple[ast.FunctionDef, dict[str, int]]:
     """Undo the deltas on a copy; count each, and check where it sits."""
     fn = copy.deepcopy(fn)
-    disabled, gate, no_queue = map(delta_dump, (DELTA_DISABLED_PATH, DELTA_GATE, DELTA_NO_QUEUE))
+    disabled, flag, gate, no_queue = map(
+        delta_dump, (DELTA_DISABLED_PATH, DELTA_HOLD_FLAG, DELTA_GATE, DELTA_NO_QUEUE)
+    )
     selection = normalized_dump(ast.parse(QUEUE_SELECTION).body[0])
-    counts = {"disabled path": 0, "gate": 0, "no queue": 0}
+    counts = dict.fromkeys(expected_counts(), 0)
     for node in ast.walk(fn):
+        if _capacity_extension(node):
+            assert any(map(derive._assigns_capacity_bound, node.body)), "delta 4 guards the update"
+            counts["capacity"] += 1
+            rest = node.test.values[:-1]
+            node.test = rest[0] if len(rest) == 1 else ast.BoolOp(op=ast.And(), values=rest)
         stmts = getattr(node, "body", None)
         if not isinstance(stmts, list):
             continue
@@ -107,9 +149,16 @@ def strip_deltas(
             if dump == disabled:
                 assert node is fn and i == int(docstring), "delta 1 must come first"
                 counts["disabled path"] += 1
+            elif dump == flag:
+                loop = stmts[i + 1]
+                assert isinstance(loop, ast.While) and any(map(is_slot_check, loop.body)), (
+                    "delta 2's flag goes directly above the WAITING loop"
+                )
+                counts["hold flag"] += 1
             elif dump == gate:
-                assert isinstance(node, ast.While) and any(map(is_slot_check, node.body))
-                assert i == 0, "delta 2 must be the first statement of the WAITING loop"
+                assert isinstance(node, ast.While) and is_slot_check(stmts[i - 1]), (
+                    "delta 2 comes right after upstream's slot check"
+                )
                 counts["gate"] += 1
             elif dump == no_queue:
                 assert normalized_dump(stmts[i - 1]) == selection, "delta 3 follows the selection"
@@ -126,18 +175,42 @@ def strip_deltas(
 
 def test_drift_generated_schedule_is_upstream_plus_exactly_its_deltas():
     stripped, counts = strip_deltas(generated_schedule_ast())
-    assert counts == {"disabled path": 1, "gate": 1, "no queue": int(upstream_asserts_a_queue())}
+    assert counts == installed_counts()
     assert normalized_dump(stripped) == normalized_dump(upstream_schedule_ast())
 
 
-def test_drift_comparison_catches_a_fourth_change():
+def test_drift_comparison_catches_one_more_change():
     # Negative control for the drift test itself: one extra statement must break equality.
     source = generated_source()
     body_indent = generated_schedule_ast(source).body[0].col_offset
     mutated = source + " " * body_indent + "pass\n"
     stripped, counts = strip_deltas(generated_schedule_ast(mutated))
-    assert counts == {"disabled path": 1, "gate": 1, "no queue": int(upstream_asserts_a_queue())}
+    assert counts == installed_counts()
     assert normalized_dump(stripped) != normalized_dump(upstream_schedule_ast())
+
+
+def test_derived_schedule_is_the_seamed_schedule_with_the_gate_inlined():
+    """Compat gives exactly the shim's behaviour: the derived schedule() is the seam series'
+    schedule() for this release (upstream_patch/) with the seam's call read as the gate's
+    ``admission_frozen``, less delta 1 (balance off runs upstream's own) and delta 3 (an assert
+    that real state never trips)."""
+    from seam_patch import SEAM_METHOD, match_series, scheduler_text
+
+    source = inspect.getsource(scheduler_module)
+    seamed = scheduler_text(source, match_series(source, vllm.__version__).series)
+    expected = normalized_dump(derive.find_schedule(ast.parse(seamed), "seamed"))
+    derived = generated_source().replace("self.admission_frozen", f"self.{SEAM_METHOD}()")
+    fn = generated_schedule_ast(derived)
+    disabled, no_queue = delta_dump(DELTA_DISABLED_PATH), delta_dump(DELTA_NO_QUEUE)
+    for node in ast.walk(fn):
+        stmts = getattr(node, "body", None)
+        if isinstance(stmts, list):
+            stmts[:] = [
+                ast.parse(QUEUE_ASSERT).body[0] if normalized_dump(s) == no_queue else s
+                for s in stmts
+                if normalized_dump(s) != disabled
+            ]
+    assert normalized_dump(fn) == expected
 
 
 def test_drift_upstream_compared_is_the_schedule_that_runs():
@@ -256,6 +329,7 @@ PAIR = f"{QUEUE_SELECTION}\n{QUEUE_ASSERT}\n"
 # Our own text in the shape of the anchors: a loop that stops on a request-slot limit.
 LOOP_HEADER = "while self.queue and budget > 0:"
 SLOT_CHECK = "if len(self.running) >= self.max_num_admitted_reqs:\n    break\n"
+CAPACITY = "if not deferred:\n    self.prefill_capacity_bound = bool(self.queue)\n"
 
 
 def synthetic(
@@ -263,7 +337,7 @@ def synthetic(
     *,
     header: str = "schedule(self, throttle_prefills=False)",
     loops: int = 1,
-    after_loop: str = "",
+    after_loop: str = CAPACITY,
     slot_check: str = SLOT_CHECK,
 ) -> str:
     """A tiny module shaped like vLLM's anchors (our own text, built from derive's constants)."""
@@ -280,16 +354,41 @@ def test_synthetic_source_with_all_anchors_derives(docstring):
         source = source.replace("        x = 1\n", '        """Doc."""\n        x = 1\n', 1)
     derived = derive.derive_source(source, "9.9.9")
     stripped, counts = strip_deltas(generated_schedule_ast(derived.source), docstring)
-    assert counts == {"disabled path": 1, "gate": 1, "no queue": 1}
+    assert counts == expected_counts()
     assert normalized_dump(stripped) == normalized_dump(derived.upstream)
+    assert "plus four deltas" in derived.source
 
 
-def test_loop_without_queue_selection_and_assert_gets_two_deltas():
+def test_loop_without_queue_selection_and_assert_gets_no_delta_3():
     # 0.31+'s shape: the loop picks its queue and breaks on an empty one itself.
     derived = derive.derive_source(synthetic("q = self.queue\n"), "9.9.9")
     assert not derived.replaces_queue_assert and "delta 3 not applicable" in derived.source
     stripped, counts = strip_deltas(generated_schedule_ast(derived.source))
-    assert counts == {"disabled path": 1, "gate": 1, "no queue": 0}
+    assert counts == expected_counts(queue_assert=False)
+    assert normalized_dump(stripped) == normalized_dump(derived.upstream)
+
+
+def test_schedule_without_a_capacity_update_gets_no_delta_4():
+    # A schedule() without the DP prefill cadence's guard: there is nothing to exclude a hold from.
+    derived = derive.derive_source(synthetic(after_loop=""), "9.9.9")
+    assert not derived.guards_capacity_update and "delta 4 not applicable" in derived.source
+    stripped, counts = strip_deltas(generated_schedule_ast(derived.source))
+    assert counts == expected_counts(capacity=False)
+    assert normalized_dump(stripped) == normalized_dump(derived.upstream)
+
+
+@pytest.mark.parametrize(
+    "guard",
+    ["if not deferred:", "if not deferred and budget > 0:", "if (not deferred\n    and ok):"],
+    ids=["one-name", "and-chain", "parenthesized-one-line"],
+)
+def test_delta_4_extends_the_guard_in_place(guard):
+    guard = guard.replace("\n    ", " ")
+    source = synthetic(after_loop=f"{guard}\n    self.prefill_capacity_bound = True\n")
+    derived = derive.derive_source(source, "9.9.9")
+    assert f"{guard[:-1]}{DELTA_CAPACITY[1]}:" in derived.source
+    stripped, counts = strip_deltas(generated_schedule_ast(derived.source))
+    assert counts == expected_counts()
     assert normalized_dump(stripped) == normalized_dump(derived.upstream)
 
 
@@ -321,6 +420,19 @@ def test_waiting_loop_is_found_by_its_slot_check_whatever_its_header(slot_check)
             QUEUE_ASSERT,
             "shares a line",
         ),
+        (synthetic(after_loop=CAPACITY * 2), CAPACITY_GUARD, "matches 2 times"),
+        (synthetic(after_loop="self.prefill_capacity_bound = 1\n"), CAPACITY_GUARD, "is missing"),
+        (synthetic("pass\n" + CAPACITY, after_loop=""), CAPACITY_GUARD, "is missing"),
+        (
+            synthetic(after_loop=CAPACITY.replace("not deferred", "a or b")),
+            CAPACITY_GUARD,
+            "cannot extend",
+        ),
+        (
+            synthetic(after_loop=CAPACITY.replace("not deferred", "(a and\n        b)")),
+            CAPACITY_GUARD,
+            "cannot extend",
+        ),
         (synthetic(header="schedule(self)"), "schedule(self, throttle_prefills)", "is schedule("),
         (synthetic().replace("def schedule", "def other"), "Scheduler.schedule", "is missing"),
     ],
@@ -333,6 +445,11 @@ def test_waiting_loop_is_found_by_its_slot_check_whatever_its_header(slot_check)
         "assert-twice",
         "assert-outside-loop",
         "assert-not-alone",
+        "capacity-update-twice",
+        "capacity-update-unguarded",
+        "capacity-update-in-the-loop",
+        "capacity-guard-or",
+        "capacity-guard-two-lines",
         "signature",
         "method-missing",
     ],
@@ -376,7 +493,10 @@ def test_generated_schedule_has_source_and_names_each_delta():
     Phase2ASchedule = compat_module().Phase2ASchedule
     source = inspect.getsource(Phase2ASchedule.schedule)
     assert source.count(DELTA_DISABLED_PATH[0]) == source.count(DELTA_GATE[0]) == 1
-    assert source.count(DELTA_NO_QUEUE[0]) == int(upstream_asserts_a_queue())
+    assert source.count(DELTA_HOLD_FLAG[0]) == 1
+    counts = installed_counts()
+    assert source.count(DELTA_NO_QUEUE[0]) == counts["no queue"]
+    assert source.count(DELTA_CAPACITY[0]) == counts["capacity"]
     # CompatBalanceScheduler.schedule is the mixin's, which reaches the generated one via super().
     CompatBalanceScheduler = compat_module().CompatBalanceScheduler
     mro = CompatBalanceScheduler.__mro__

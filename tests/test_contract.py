@@ -182,6 +182,46 @@ def test_contract1_rank_full_at_an_admission_limit_below_max_num_seqs_freezes_th
     assert admitted(other.schedule()) == []
 
 
+# Contract 1 beside vLLM's prefill cadence (throttle_prefills, #44558): a frozen step is a
+# policy, not a capacity limit, so it leaves prefill_capacity_bound as it was; a rank that stops
+# on upstream's own slot check records it as upstream does (docs/design.md, Phase 2B).
+
+
+def test_contract1_frozen_step_does_not_lift_the_prefill_throttle():
+    balance, upstream = balance_scheduler(), upstream_scheduler()
+    for scheduler in (balance, upstream):
+        with_waiting(scheduler, n=1)
+    factories.set_gathered(balance, [0, 0])
+    factories.step(balance), factories.step(upstream)  # req-0 decodes from here on
+    for scheduler in (balance, upstream):
+        with_waiting(scheduler, n=3, start=1)
+    factories.set_gathered(balance, [1, CAP])
+    assert admitted(balance.schedule()) == []  # frozen: upstream has no such step
+    assert balance.prefill_capacity_bound is upstream.prefill_capacity_bound is False
+
+    factories.set_gathered(balance, [1, 0])
+    # The throttled step defers prefill exactly as upstream's does, and the next one admits.
+    assert admitted(balance.schedule(True)) == admitted(upstream.schedule(True)) == []
+    expected = ["req-1", "req-2", "req-3"]
+    assert admitted(balance.schedule()) == admitted(upstream.schedule()) == expected
+
+
+def test_contract1_leader_at_cap_records_capacity_bound_as_upstream_does():
+    balance, upstream = balance_scheduler(), upstream_scheduler()
+    for scheduler in (balance, upstream):
+        with_waiting(scheduler, n=CAP)
+    factories.set_gathered(balance, [0, 0])
+    factories.step(balance), factories.step(upstream)  # both at the cap, nothing waiting
+    for scheduler in (balance, upstream):
+        with_waiting(scheduler, n=2, start=CAP)
+    assert balance.prefill_capacity_bound is upstream.prefill_capacity_bound is False
+
+    factories.set_gathered(balance, [CAP, 0])  # this rank is the leader
+    assert admitted(balance.schedule()) == admitted(upstream.schedule()) == []
+    # Upstream's slot check stopped both before the gate: capacity-bound, as upstream records.
+    assert balance.prefill_capacity_bound is upstream.prefill_capacity_bound is True
+
+
 # Contract 2: gate open => the same SchedulerOutput as upstream, step by step.
 
 

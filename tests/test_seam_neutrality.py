@@ -7,7 +7,8 @@ every ``SchedulerOutput``, request output and queue state, step by step.
 
 The claim is only as good as the workloads, so the named scenarios are checked to reach each
 path it covers (chunked prefill, prefix-cache hits, preemption and resumption under KV pressure,
-aborts, max_num_seqs hit), and two deliberately wrong seams must be caught by the same comparison.
+aborts, max_num_seqs hit, vLLM's DP prefill cadence with a capacity-bound release), and three
+deliberately wrong series must be caught by the same comparison.
 """
 
 from __future__ import annotations
@@ -77,6 +78,20 @@ SCENARIOS = {
         requests=requests((0, 0, 1, 1, 2), tail=8, max_tokens=8, prefix=1),  # 32 + 8 tokens
         aborts=((2, 0), (3, 3), (4, 4)),
     ),
+    # vLLM's DP prefill cadence: a release step stops at the cap with requests waiting (so it is
+    # capacity-bound), and r0 finishes on a throttled step while r1 still decodes: whether that
+    # step may admit depends on the capacity flag the seam series guards.
+    "prefill_cadence": Workload(
+        cap=2,
+        max_num_batched_tokens=2048,
+        num_gpu_blocks=1000,
+        enable_prefix_caching=False,
+        requests=(
+            Req(index=0, prefix=0, tail=20, max_tokens=3, arrive=0),
+            *(Req(index=i, prefix=0, tail=20, max_tokens=12, arrive=0) for i in range(1, 5)),
+        ),
+        prefill_interval=2,
+    ),
 }
 
 
@@ -93,11 +108,14 @@ def workloads(draw) -> Workload:
     num_gpu_blocks = draw(st.one_of(st.integers(14, 40), st.just(1000)))
     enable_prefix_caching = draw(st.booleans())
     arrivals = sorted(draw(st.lists(st.integers(0, 8), min_size=n, max_size=n)))
+    # Half the workloads throttle prefill as vLLM's DP engine core does (1: never).
+    prefill_interval = draw(st.sampled_from((1, 1, 2, 3)))
     return Workload(
         cap=cap,
         max_num_batched_tokens=max_num_batched_tokens,
         num_gpu_blocks=num_gpu_blocks,
         enable_prefix_caching=enable_prefix_caching,
+        prefill_interval=prefill_interval,
         requests=tuple(
             Req(index=i, prefix=prefix, tail=tail, max_tokens=max_tokens, arrive=arrive)
             for i, (prefix, (tail, max_tokens), arrive) in enumerate(
@@ -148,6 +166,8 @@ def test_named_scenarios_reach_every_path_the_claim_covers(twins):
     assert "prefix_cache_hit" in reached["prefix_cache_hit"]
     assert {"preemption", "resumption"} <= reached["kv_pressure_preemption"]
     assert {"abort", "cap_reached_with_waiting"} <= reached["aborts"]
+    cadence = {"cap_reached_with_waiting", "prefill_capacity_bound", "throttled_with_waiting"}
+    assert cadence <= reached["prefill_cadence"]
 
 
 @NEUTRALITY_SETTINGS
@@ -157,7 +177,15 @@ def test_randomized_workloads_give_identical_outputs(workload):
     differential.compare(twins.unpatched, twins.patched, workload)
 
 
-@pytest.mark.parametrize("mutant", ["off_by_one_gt", "cap_minus_one"])
+# Each wrong series, and the named scenario that must catch it.
+MUTANTS = {
+    "off_by_one_gt": "max_num_seqs_hit",
+    "cap_minus_one": "max_num_seqs_hit",
+    "held_on_slot_break": "prefill_cadence",
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_negative_control_wrong_seam_diverges_on_named_scenarios(twins, mutant):
     wrong = differential.mutant(twins.patched_source, mutant)
     caught = []
@@ -166,10 +194,10 @@ def test_negative_control_wrong_seam_diverges_on_named_scenarios(twins, mutant):
             differential.compare(twins.unpatched, wrong, workload)
         except Divergence:
             caught.append(name)
-    assert "max_num_seqs_hit" in caught
+    assert MUTANTS[mutant] in caught
 
 
-@pytest.mark.parametrize("mutant", ["off_by_one_gt", "cap_minus_one"])
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_negative_control_wrong_seam_fails_the_randomized_test(twins, mutant):
     wrong = differential.mutant(twins.patched_source, mutant)
 

@@ -64,13 +64,32 @@ def catch_up_to_leader() -> None:
 
 
 def _stop_condition_at_step_start(scheduler) -> bool:
-    """Upstream's WAITING stop condition (0.24: ``==``; 0.25: ``>=`` incl. streaming waits)."""
+    """Upstream's WAITING stop condition (0.24: ``==``; 0.25+: ``>=`` incl. streaming waits;
+    0.31+ at ``max_num_active_reqs``)."""
     running = len(scheduler.running) + getattr(scheduler, "num_waiting_for_streaming_input", 0)
-    return running >= scheduler.max_num_running_reqs
+    return running >= scheduler.balance_cap
+
+
+def _mutate_derived(name: str, change: Callable[[str], str]) -> None:
+    """Compat path: ``change`` the derived ``schedule()`` text (read when it is derived)."""
+    from vllm_balance.compat import derive
+
+    real_derive_source = derive.derive_source
+
+    def derive_source(*args, **kwargs):
+        derived = real_derive_source(*args, **kwargs)
+        source = change(derived.source)
+        assert source != derived.source, f"{name}: found nothing to change"
+        return dataclasses.replace(derived, source=source)
+
+    derive.derive_source = derive_source
 
 
 def gate_only_before_loop() -> None:
-    """The whole WAITING stop decision taken once when ``schedule()`` starts (see mutation.md)."""
+    """The whole WAITING stop decision taken once when ``schedule()`` starts (see mutation.md).
+
+    Compat only: on the hold-only seam upstream's slot check stays inline, so the shim cannot
+    take that decision at all."""
     mixin = _mixin()
 
     def schedule(self, throttle_prefills: bool = False):
@@ -80,31 +99,45 @@ def gate_only_before_loop() -> None:
         return super(mixin, self).schedule(throttle_prefills)
 
     mixin.schedule = schedule
-
-    # Shim path: the seam returns the decision taken at step start.
-    def should_stop_admitting_waiting(self) -> bool:
-        if not self._balance_enabled:
-            return super(mixin, self)._should_stop_admitting_waiting()
-        return self._stop_decided_once
-
-    mixin._should_stop_admitting_waiting = should_stop_admitting_waiting
-    # Compat path: the derived loop tests the same decision instead of upstream's inline check.
-    from vllm_balance.compat import derive
-
-    real_derive_source = derive.derive_source
+    # The derived loop tests the same decision instead of upstream's inline check.
     inline_check = re.compile(
         r"^(?P<indent>\s*)if (?:len\(self\.running\) ==|num_running >=) "
-        r"self\.max_num_running_reqs:$",
+        r"self\.max_num_\w+_reqs:$",
         re.MULTILINE,
     )
 
-    def derive_source(*args, **kwargs):
-        derived = real_derive_source(*args, **kwargs)
-        source, count = inline_check.subn(r"\g<indent>if self._stop_decided_once:", derived.source)
+    def once(source: str) -> str:
+        source, count = inline_check.subn(r"\g<indent>if self._stop_decided_once:", source)
         assert count == 1, f"gate_only_before_loop: {count} inline stop checks found"
-        return dataclasses.replace(derived, source=source)
+        return source
 
-    derive.derive_source = derive_source
+    _mutate_derived("gate_only_before_loop", once)
+
+
+def gate_before_slot_check() -> None:
+    """Delta 2 back where it was before the seam became hold-only: the gate first in the WAITING
+    loop, before upstream's slot check. A leader at the cap then stops on the gate, so its step
+    no longer counts as capacity-bound for vLLM's prefill cadence, as upstream's would."""
+    from vllm_balance.compat import derive
+
+    def move(source: str) -> str:
+        lines = source.splitlines(keepends=True)
+        at = next(i for i, line in enumerate(lines) if derive.DELTA_GATE[0] in line)
+        gate = lines[at : at + len(derive.DELTA_GATE)]
+        del lines[at : at + len(derive.DELTA_GATE)]
+        loop = next(i for i in range(at - 1, 0, -1) if lines[i].lstrip().startswith("while "))
+        lines[loop + 1 : loop + 1] = gate
+        return "".join(lines)
+
+    _mutate_derived("gate_before_slot_check", move)
+
+
+def hold_marks_capacity_bound() -> None:
+    """Delta 4 dropped: a frozen step updates prefill_capacity_bound like a capacity-bound one,
+    so the next step vLLM's prefill cadence throttles admits anyway (issue 30)."""
+    from vllm_balance.compat import derive
+
+    derive.DELTA_CAPACITY = (derive.DELTA_CAPACITY[0], "")
 
 
 def disabled_allocates_balance_queue() -> None:
@@ -263,8 +296,20 @@ MUTANTS = {
         Mutant(
             "gate_only_before_loop",
             "WAITING stop decision (upstream's cap check + gate) taken once per step",
-            ("shim", "compat"),
+            ("compat",),
             gate_only_before_loop,
+        ),
+        Mutant(
+            "gate_before_slot_check",
+            "Phase 2A delta 2 before upstream's slot check (the leader no longer capacity-bound)",
+            ("compat",),
+            gate_before_slot_check,
+        ),
+        Mutant(
+            "hold_marks_capacity_bound",
+            "Phase 2A delta 4 dropped: a frozen step lifts vLLM's prefill throttle",
+            ("compat",),
+            hold_marks_capacity_bound,
         ),
         Mutant(
             "disabled_allocates_balance_queue",
