@@ -349,22 +349,21 @@ def _capacity_guard(fn: ast.FunctionDef, loop: ast.While, vllm_version: str) -> 
     updates = [node for node in ast.walk(fn) if _assigns_capacity_bound(node)]
     if not updates:
         return None
-    anchor = CAPACITY_GUARD
-    update = _exactly_one(anchor, updates, vllm_version)
+    update = _exactly_one(CAPACITY_GUARD, updates, vllm_version)
     block = next(stmts for stmts in _statement_lists(fn) if any(s is loop for s in stmts))
-    after_loop = block[[id(s) for s in block].index(id(loop)) + 1 :]
+    after_loop = block[next(i for i, s in enumerate(block) if s is loop) + 1 :]
     guards = [
         stmt
         for stmt in after_loop
         if isinstance(stmt, ast.If) and not stmt.orelse and any(s is update for s in stmt.body)
     ]
-    guard = _exactly_one(anchor, guards, vllm_version)
+    guard = _exactly_one(CAPACITY_GUARD, guards, vllm_version)
     test = guard.test
     loose = isinstance(test, (ast.IfExp, ast.Lambda, ast.NamedExpr)) or (
         isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or)
     )
     if loose or test.end_lineno != guard.lineno:
-        raise _anchor_error(anchor, "has a condition delta 4 cannot extend", vllm_version)
+        raise _anchor_error(CAPACITY_GUARD, "has a condition delta 4 cannot extend", vllm_version)
     return guard
 
 
