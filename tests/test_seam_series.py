@@ -164,7 +164,7 @@ def test_pr_description_names_the_newest_series_and_agrees_with_its_message():
     assert f"vLLM {newest.ref.removeprefix('v')}" in doc
     assert f"upstream_patch/{newest.ref}/seam.patch" in doc
     assert "```diff" not in doc
-    (size,) = set(re.findall(r"(\d,\d{3}) lines", authored().message))
+    (size,) = set(re.findall(r"(\d,\d{3})\s+lines", authored().message))
     assert f"{size} lines" in doc
 
 
