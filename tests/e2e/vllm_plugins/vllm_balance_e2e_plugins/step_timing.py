@@ -8,7 +8,14 @@ schedule, the forward through the worker, ``update_from_output``), and what the 
 decode requests). The time from one line's ``t`` to the next one's of the same rank is the whole
 busy-loop iteration, the DP all-reduce and (balance on) the balance gather included: that
 difference, balance on vs off, is the gather's real cost per step. Steps that ran nothing
-(dummy batches) are lines with ``executed: false``.
+(dummy batches) are lines with ``executed: false``. Each line also carries what the rank held
+after the step (``running``: ``len(scheduler.running)``; ``frozen``: the balance gate's
+``admission_frozen``, only on steps whose ``schedule()`` ran, i.e. the rank had requests; absent
+with balance off) and two cumulative clocks of the rank read when the step began: ``cpu_s``
+(CPU seconds of the engine core and its worker process, all threads) and ``device_ms`` (device
+time emulated so far, booked by ``device_time``; 0 without emulation): one line's value
+subtracted from the next one's is the iteration's CPU time and emulated device time, as ``t``
+gives its period.
 
 Why these two methods: the busy loop looks ``_process_engine_step`` up on every iteration, and
 ``update_from_output`` on the scheduler instance, so class-level wrappers installed when the
@@ -21,14 +28,20 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 STEP_DIR_ENV = "VLLM_BALANCE_E2E_STEP_DIR"
 _state: dict = {}
+# Device time emulated so far in this process, ms (``device_time`` adds each forward's sleep).
+EMULATED = {"device_ms": 0.0}
 
 
-def step_work(scheduler_output, requests) -> dict[str, int]:
-    """Prefill tokens and requests, decode requests and their context tokens of one step."""
+def step_work(scheduler_output, context_tokens: Mapping[str, int]) -> dict[str, int]:
+    """Prefill tokens and requests, decode requests and their context tokens of one step.
+
+    ``context_tokens``: each decode request's context after this step (requests absent count 0).
+    """
     new = {r.req_id for r in scheduler_output.scheduled_new_reqs}
     work = {"prefill_tokens": 0, "prefill_reqs": 0, "decode_reqs": 0, "kv_tokens": 0}
     for req_id, tokens in scheduler_output.num_scheduled_tokens.items():
@@ -37,9 +50,29 @@ def step_work(scheduler_output, requests) -> dict[str, int]:
             work["prefill_reqs"] += 1
         else:
             work["decode_reqs"] += 1
-            request = requests.get(req_id)
-            work["kv_tokens"] += request.num_computed_tokens if request is not None else 0
+            work["kv_tokens"] += context_tokens.get(req_id, 0)
     return work
+
+
+def rank_cpu_s() -> float:
+    """CPU seconds of this engine core and its worker so far (the rank's host CPU).
+
+    The worker is a child process (vLLM's multiproc executor), found once: it lives as long as
+    the engine core. Its clock ticks every 10 ms (/proc), so a single step's share is coarse;
+    the benchmark sums it over runs.
+    """
+    import psutil
+
+    if "children" not in _state:
+        _state["children"] = psutil.Process().children()
+    total = time.process_time()
+    for child in _state["children"]:
+        try:
+            times = child.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
 
 
 def install(directory: Path) -> None:
@@ -52,17 +85,25 @@ def install(directory: Path) -> None:
     original_update = Scheduler.update_from_output
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        _state["work"] = step_work(scheduler_output, self.requests)
+        requests = self.requests
+        context = {r: requests[r].num_computed_tokens for r in scheduler_output.num_scheduled_tokens
+                   if r in requests}  # fmt: skip
+        _state["work"] = step_work(scheduler_output, context)
         return original_update(self, scheduler_output, model_runner_output)
 
     def _process_engine_step(self):
         _state["work"] = None
-        began = time.monotonic()
+        began, cpu_s, device_ms = time.monotonic(), rank_cpu_s(), EMULATED["device_ms"]
+        scheduled = self.scheduler.has_requests()  # step() calls schedule() only then
         executed = original_step(self)
         ms = (time.monotonic() - began) * 1000.0
         rank = self.vllm_config.parallel_config.data_parallel_rank
         record = {"rank": rank, "t": round(began, 6), "ms": round(ms, 3), "executed": executed}
         record.update(_state["work"] or {})
+        record.update(cpu_s=round(cpu_s, 6), device_ms=round(device_ms, 3))
+        record["running"] = len(self.scheduler.running)
+        if scheduled and hasattr(self.scheduler, "admission_frozen"):
+            record["frozen"] = bool(self.scheduler.admission_frozen)
         out.write(json.dumps(record) + "\n")
         return executed
 
