@@ -19,13 +19,13 @@ TRUE = StepTimeModel(fixed_ms=20.0, per_prefill_token_ms=0.3, per_decode_request
 OVERHEAD_MS = 1.5  # outside _process_engine_step(): the all-reduce, the gather, bookkeeping
 
 
-def step_records(steps: int = 400, seed: int = 0) -> list[dict]:
-    """Two lock-stepped ranks: each step both start together and last the cluster's step time."""
+def step_records(steps: int = 400, seed: int = 0, ranks: int = 2) -> list[dict]:
+    """Lock-stepped ranks: each step all start together and last the cluster's step time."""
     rng = random.Random(seed)
     records, t = [], 100.0
     for index in range(steps):
         works = []
-        for _ in range(2):
+        for _ in range(ranks):
             prefill = rng.choice([0, 0, 0, rng.randint(64, 384)])
             works.append(RankWork(prefill_tokens=prefill, decode_requests=rng.randint(0, 4)))
         period_ms = TRUE.step_time_ms(works)
@@ -49,14 +49,27 @@ def step_records(steps: int = 400, seed: int = 0) -> list[dict]:
     return records
 
 
-def test_fit_gives_back_the_step_model_that_made_the_periods():
-    steps = cluster_steps(step_records())
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_fit_gives_back_the_step_model_that_made_the_periods(ranks):
+    steps = cluster_steps(step_records(ranks=ranks))
     assert steps, "no step paired"
+    assert all(len(step["work"]) == ranks for step in steps)
     assert all(step["gap_ms"] <= IDLE_GAP_MS for step in steps)  # the idle gap is dropped
     model = fit_step_model(steps)
     assert model["fixed_ms"] == pytest.approx(TRUE.fixed_ms, rel=0.02)
     assert model["per_prefill_token_ms"] == pytest.approx(TRUE.per_prefill_token_ms, rel=0.02)
     assert model["per_decode_request_ms"] == pytest.approx(TRUE.per_decode_request_ms, rel=0.05)
+
+
+def test_the_fit_is_not_pulled_by_stalled_steps():
+    """A few steps stretched by seconds (another job, a one-off stall) leave the fit as it was."""
+    steps = cluster_steps(step_records(ranks=4))
+    for step in steps[::40]:
+        step["period_ms"] += 3000.0
+    model = fit_step_model(steps)
+    assert model["fixed_ms"] == pytest.approx(TRUE.fixed_ms, rel=0.02)
+    assert model["per_prefill_token_ms"] == pytest.approx(TRUE.per_prefill_token_ms, rel=0.02)
+    assert model["fit"]["outliers"] >= len(steps[::40])
 
 
 def test_negative_control_one_ranks_own_work_does_not_fit():
