@@ -322,3 +322,13 @@ def bench_serve(session: nox.Session) -> None:
     install_e2e(session)
     session.install("--no-deps", "-r", "requirements/sim.txt")  # matplotlib for the PNG
     session.run("python", "benchmarks/serve.py", *session.posargs)
+
+
+@nox.session(name="bench-emulated")
+def bench_emulated(session: nox.Session) -> None:
+    """The real server at DP=4 and DP=8 with the accelerator's step time emulated (each rank
+    sleeps the simulator's step model for its own batch), per policy, driven by `vllm bench
+    serve`, the simulator beside it (benchmarks/emulated.py; docs/results.md)."""
+    install_e2e(session)
+    session.install("--no-deps", "-r", "requirements/sim.txt")  # matplotlib for the PNG
+    session.run("python", "benchmarks/emulated.py", *session.posargs)

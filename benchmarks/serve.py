@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in args.policies if p not in POLICIES]
     if unknown:
         parser.error(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    args.out = args.out.resolve()  # the servers run in their own folders
     args.out.mkdir(parents=True, exist_ok=True)
     # SIGTERM unwinds like an error, so the running server is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -10,18 +10,19 @@ tiny model's real forward, its real MoE collectives and everything around them (
 coordinator, load balancer, engine cores, the balance gather and gate) run as they are; only the
 accelerator's time is stood in for. Sleeping frees the core, so 4 or 8 ranks on 2 cores overlap
 in wall time as ranks on their own devices do, as long as their CPU work stays well under the
-emulated time (``benchmarks/emulated.py`` measures that per run and rejects runs where it does not).
-The engine core books the same times for its step records (``install_booking``).
+emulated time (``benchmarks/emulated.py`` measures that per run and rejects runs where it does
+not). The engine core books the same times for its step records (``install_booking``).
 
 - **Why before the forward, not after it.** The simulator's step is the slowest rank's time for
   every rank (lockstep: no rank leaves a layer's dispatch/combine before the slowest arrives).
-  Sleeping at the start of the worker's ``execute_model`` puts every rank's device time before this
-  step's first DP collective (the batch-size sync, then each MoE layer's ``all_gatherv``), so
-  that collective releases all ranks together when the slowest rank's sleep ends, and every rank
-  returns its tokens at the same moment. Sleeping after the forward's collectives would let a
-  rank with a short batch return its tokens (first tokens: TTFT) up to the difference earlier
-  than the slowest rank, and only the next step's collective would hold it back: the period would
-  still be the maximum, but the token times would not be the simulator's.
+  Sleeping at the start of the worker's ``execute_model`` puts every rank's device time before
+  this step's first DP collective (the MoE layers' ``all_gatherv``, and any batch-size sync
+  before them), so that collective releases all ranks together when the slowest rank's sleep
+  ends, and every rank returns its tokens at the same moment. Sleeping after the forward's
+  collectives would let a rank with a short batch return its tokens (first tokens: TTFT) up to
+  the difference earlier than the slowest rank, and only the next step's collective would hold
+  it back: the period would still be the maximum, but the token times would not be the
+  simulator's.
 - **Why a sleep and not a busy wait.** A busy wait would hold a core for the whole emulated time;
   with 8 ranks on 2 cores the ranks would take turns and the "device" time would add up across
   ranks instead of overlapping.
