@@ -372,8 +372,11 @@ def group_model(steps: dict, runs: list[dict]) -> dict:
     return model
 
 
-def ratio_rows(table: dict, simulated: dict, observed: dict, base: str = "off") -> list[dict]:
-    """Each other policy vs ``base`` per rate, measured and simulated, and whether they agree."""
+def ratio_rows(
+    table: dict, simulated: dict, observed: dict, runs: list[dict], base: str = "off"
+) -> list[dict]:
+    """Each other policy vs ``base`` per rate, measured and simulated, and whether they agree;
+    and the measured change judged as advise judges (``measured_verdict``)."""
     rows = []
     for policy, cells in table.items():
         if policy in ("off", base):
@@ -383,6 +386,7 @@ def ratio_rows(table: dict, simulated: dict, observed: dict, base: str = "off") 
                 continue
             sim, sim_off = simulated.get(policy, {}).get(rate), simulated.get(base, {}).get(rate)
             row = {"policy": policy, "base": base, "rate": rate}
+            row["measured_verdict"] = measured_verdict(runs, policy, base, rate)
             frozen = [observed[policy][rate]["frozen"], sim["frozen"] if sim else 0.0]
             row["freezes"] = max(f or 0.0 for f in frozen) >= FREEZES
             for key in RATIO_KEYS:
@@ -394,6 +398,38 @@ def ratio_rows(table: dict, simulated: dict, observed: dict, base: str = "off") 
                     row[key]["agree"] = abs(measured / simulated_ratio - 1.0) <= AGREE
             rows.append(row)
     return rows
+
+
+def measured_verdict(runs: list[dict], policy: str, base: str, rate: str) -> dict:
+    """``policy`` vs ``base`` at ``rate`` judged by advise's own rule (``compare``, seeds that
+    straddle zero unclear), with the measured repeats as its seeds (repeat i vs repeat i)."""
+    from types import SimpleNamespace
+
+    from vllm_balance.sim.advise import OF_VERDICT, judge
+    from vllm_balance.sim.compare import changes
+
+    def summaries(name: str) -> dict[int, SimpleNamespace]:
+        chosen = [r for r in runs if r["policy"] == name and f"{r['rate']:g}" == rate]
+        return {
+            r["repeat"]: SimpleNamespace(
+                ttft_p99_ms=r["result"]["ttft_p99_ms"],
+                ttft_p50_ms=r["result"]["ttft_p50_ms"],
+                output_tok_per_s=r["result"]["tok_s"],
+                tpot_p50_ms=r["result"]["tpot_p50_ms"],
+            )
+            for r in chosen
+        }
+
+    left, right = summaries(base), summaries(policy)
+    paired = sorted(set(left) & set(right))
+    if not paired:
+        return {}
+    found = changes([left[i] for i in paired], [right[i] for i in paired])
+    return {
+        "category": OF_VERDICT[judge(found)].word,
+        "repeats": len(paired),
+        "changes": ", ".join(c.text().replace("seeds", "repeats") for c in found),
+    }
 
 
 def advise_verdict(dp: int, rate: float, model: dict, out: Path, requests: int) -> dict:
@@ -481,10 +517,11 @@ def analyse_group(out: Path, name: str, dp: int, runs: list[dict], advise: bool)
     result["simulated_least_loaded"] = simulate(
         out, valid, model, MAX_NUM_SEQS, seed, dp, budget, old_dir
     )
-    result["ratios"] = ratio_rows(table, result["simulated"], result["observed"])
-    result["hold_vs_on"] = ratio_rows(table, result["simulated"], result["observed"], base="on")
+    observed, simulated = result["observed"], result["simulated"]
+    result["ratios"] = ratio_rows(table, simulated, observed, valid)
+    result["hold_vs_on"] = ratio_rows(table, simulated, observed, valid, base="on")
     result["ratios_least_loaded"] = ratio_rows(
-        table, result["simulated_least_loaded"], result["observed"]
+        table, result["simulated_least_loaded"], observed, valid
     )
     if advise:
         result["advise"] = {}
@@ -544,13 +581,16 @@ def group_markdown(name: str, result: dict, loads: dict[str, float]) -> str:
             simulated_text = f"{ratio['simulated']:.2f}" if "simulated" in ratio else "-"
             mark = "" if ratio.get("agree", True) else " **x**"
             cells.append(f"{ratio['measured']:.2f} / {simulated_text}{mark}")
+        measured = row["measured_verdict"]
+        cells.append(f"{measured['category']} ({measured['repeats']})" if measured else "-")
         verdict = result.get("advise", {}).get(row["rate"])
         cells.append(advise_text(verdict) if row["policy"] == "on" else "-")
         rows.append(cells)
     if rows:
         header = (
             "ratio | req/s | x knee | gate freezes | tok/s: measured / sim | "
-            "TTFT p50 | TTFT p99 | TPOT p50 | advise (on vs off)"
+            "TTFT p50 | TTFT p99 | TPOT p50 | measured, judged as advise (repeats) | "
+            "advise (on vs off)"
         )
         lines += markdown_table(header, rows) + [""]
     return "\n".join(lines)
