@@ -379,3 +379,27 @@ def test_with_expert_work_fully_shared_the_gate_delays_first_tokens_at_high_load
     # this the test could not tell the sharing from a gate that always delays.
     own = _off_and_on(0.0)
     assert own["on"].ttft_p99_ms < own["off"].ttft_p99_ms
+
+
+def test_inflight_floor_router_is_vllm_0_27s_balancer():
+    """vLLM >= 0.27 scores max(in-flight, snapshot waiting + running), a waiting request weighing
+    as one running (0.26 and before: waiting * 4 + running), and rotates the scan's start."""
+    from vllm_balance.sim.router import make_router
+
+    new = make_router("inflight-floor", 2, "stale+bump", 0.1)
+    old = make_router("least-loaded", 2, "fresh", 0.1)
+    live = [(1, 0), (0, 2)]  # (waiting, running)
+    assert new.route(lambda: live) == 0  # 1 in flight vs 2
+    assert old.route(lambda: live) == 1  # 1 * 4 + 0 vs 2
+
+
+def test_inflight_floor_router_counts_the_live_floor_the_bump_and_rotates_ties():
+    from vllm_balance.sim.router import make_router
+
+    router = make_router("inflight-floor", 4, "stale+bump", 0.1)  # the snapshot: all idle
+    live = [(0, 3), (0, 0), (0, 1), (0, 0)]
+    assert router.route(lambda: live) == 1  # rank 0's 3 in flight beat the stale snapshot
+    # The scan now starts at rank 1, whose snapshot carries the bump (1): rank 3 (0) wins.
+    assert router.route(lambda: live) == 3
+    router.publish(1.0, [(0, 0)] * 4)  # a fresh snapshot drops the bumps
+    assert router.route(lambda: [(0, 0)] * 4) == 2  # equal scores: the rotated start wins

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from vllm_balance.sim.advise import CATEGORIES as ADVISE_CATEGORIES
 from vllm_balance.sim.policies import DEFAULT_POLICIES, make_policy
-from vllm_balance.sim.router import STALENESS_MODES
+from vllm_balance.sim.router import ROUTERS, STALENESS_MODES
 from vllm_balance.sim.runner import SimOptions, quiet_vllm_logs, show_balance_log_lines
 from vllm_balance.sim.stepmodel import (
     StepModelError,
@@ -204,16 +204,17 @@ def add_scenario_options(p: argparse.ArgumentParser) -> None:
     )
     add(
         "--router",
-        choices=("least-loaded", "round-robin"),
+        choices=ROUTERS,
         default=DEFAULTS.router,
-        help="how requests pick a rank (%(default)s)",
+        help="how requests pick a rank: vLLM's DP load balancer up to 0.26 (least-loaded) or "
+        "from 0.27 (inflight-floor), or round-robin (%(default)s)",
     )
     add(
         "--staleness",
         choices=STALENESS_MODES,
         default=DEFAULTS.staleness,
         help="what least-loaded sees: live counts, the snapshot, or the snapshot plus the "
-        "client's bump (%(default)s)",
+        "client's bump (%(default)s); inflight-floor ignores it",
     )
     add(
         "--snapshot-interval-ms",
