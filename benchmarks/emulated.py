@@ -372,11 +372,59 @@ def group_model(steps: dict, runs: list[dict]) -> dict:
     return model
 
 
+# The per-request metrics whose measured ratio gets a bootstrap interval: (per-request values,
+# percentile), as ``vllm bench serve`` computes them.
+INTERVAL_KEYS = {"ttft_p50_ms": ("ttft", 50), "ttft_p99_ms": ("ttft", 99), "tpot_p50_ms": ("tpot", 50)}
+INTERVAL = 0.9
+
+
+def request_values(out: Path, runs: list[dict]) -> dict:
+    """Each successful request's TTFT and TPOT (ms) of ``runs`` (their repeats in order), from
+    the client's detailed result files; TPOT as ``vllm bench serve`` takes it: (latency - TTFT)
+    / (output tokens - 1)."""
+    import numpy as np
+
+    ttft, tpot = [], []
+    for run in sorted(runs, key=lambda r: r["repeat"]):
+        result = json.loads((out / run["file"]).read_text())
+        for error, first, latency, tokens in zip(
+            result["errors"], result["ttfts"], result["latencies"], result["output_lens"]
+        ):
+            if not error and tokens > 1:
+                ttft.append(first * 1000.0)
+                tpot.append((latency - first) * 1000.0 / (tokens - 1))
+    return {"ttft": np.array(ttft), "tpot": np.array(tpot)}
+
+
+def bootstrap_ratio(base, other, q: float, draws: int = 2000, seed: int = 0) -> list[float]:
+    """The ``INTERVAL`` bootstrap interval of percentile ``q`` of ``other`` / of ``base``.
+
+    Every run serves the same requests in the same order (one seed), so where both hold the
+    same number the resampling is paired (request i of both in each draw): the interval is then
+    the noise of a percentile of this many requests (a p99 of 200 is its 2nd-largest value), not
+    of which requests were drawn.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(base), (draws, len(base)))
+    other_picks = picks if len(other) == len(base) else rng.integers(0, len(other), (draws, len(other)))
+    ratios = np.percentile(other[other_picks], q, axis=1) / np.percentile(base[picks], q, axis=1)
+    tail = (1.0 - INTERVAL) / 2.0
+    return [round(float(x), 3) for x in np.quantile(ratios, [tail, 1.0 - tail])]
+
+
 def ratio_rows(
-    table: dict, simulated: dict, observed: dict, runs: list[dict], base: str = "off"
+    out: Path,
+    table: dict,
+    simulated: dict,
+    observed: dict,
+    runs: list[dict],
+    base: str = "off",
 ) -> list[dict]:
-    """Each other policy vs ``base`` per rate, measured and simulated, and whether they agree;
-    and the measured change judged as advise judges (``measured_verdict``)."""
+    """Each other policy vs ``base`` per rate, measured (with the bootstrap interval of the
+    per-request metrics) and simulated, and whether they agree; and the measured change judged
+    as advise judges (``measured_verdict``)."""
     rows = []
     for policy, cells in table.items():
         if policy in ("off", base):
@@ -396,6 +444,17 @@ def ratio_rows(
                     simulated_ratio = sim[key] / sim_off[key]
                     row[key]["simulated"] = round(simulated_ratio, 3)
                     row[key]["agree"] = abs(measured / simulated_ratio - 1.0) <= AGREE
+            values = {
+                name: request_values(
+                    out, [r for r in runs if r["policy"] == name and f"{r['rate']:g}" == rate]
+                )
+                for name in (base, policy)
+            }
+            for key, (metric, q) in INTERVAL_KEYS.items():
+                interval = bootstrap_ratio(values[base][metric], values[policy][metric], q)
+                row[key]["interval"] = interval
+                if "simulated" in row[key]:
+                    row[key]["in_interval"] = interval[0] <= row[key]["simulated"] <= interval[1]
             rows.append(row)
     return rows
 
@@ -518,10 +577,10 @@ def analyse_group(out: Path, name: str, dp: int, runs: list[dict], advise: bool)
         out, valid, model, MAX_NUM_SEQS, seed, dp, budget, old_dir
     )
     observed, simulated = result["observed"], result["simulated"]
-    result["ratios"] = ratio_rows(table, simulated, observed, valid)
-    result["hold_vs_on"] = ratio_rows(table, simulated, observed, valid, base="on")
+    result["ratios"] = ratio_rows(out, table, simulated, observed, valid)
+    result["hold_vs_on"] = ratio_rows(out, table, simulated, observed, valid, base="on")
     result["ratios_least_loaded"] = ratio_rows(
-        table, result["simulated_least_loaded"], observed, valid
+        out, table, result["simulated_least_loaded"], observed, valid
     )
     if advise:
         result["advise"] = {}
@@ -577,10 +636,7 @@ def group_markdown(name: str, result: dict, loads: dict[str, float]) -> str:
             "yes" if row["freezes"] else "no",
         ]
         for key in RATIO_KEYS:
-            ratio = row[key]
-            simulated_text = f"{ratio['simulated']:.2f}" if "simulated" in ratio else "-"
-            mark = "" if ratio.get("agree", True) else " **x**"
-            cells.append(f"{ratio['measured']:.2f} / {simulated_text}{mark}")
+            cells.append(ratio_text(row[key]))
         measured = row["measured_verdict"]
         cells.append(f"{measured['category']} ({measured['repeats']})" if measured else "-")
         verdict = result.get("advise", {}).get(row["rate"])
@@ -593,7 +649,51 @@ def group_markdown(name: str, result: dict, loads: dict[str, float]) -> str:
             "advise (on vs off)"
         )
         lines += markdown_table(header, rows) + [""]
+    apart = disagreements(result, loads)
+    if apart:
+        header = (
+            "ratio | req/s | x knee | metric | measured [90% interval] | sim, vLLM 0.27+ router "
+            "(inflight-floor) | sim, vLLM <= 0.26 router (least-loaded)"
+        )
+        lines += ["Apart by more than 20% where the gate freezes:", ""]
+        lines += markdown_table(header, apart) + [""]
     return "\n".join(lines)
+
+
+def ratio_text(ratio: dict) -> str:
+    """``measured [interval] / simulated``, marked where they are more than 20% apart."""
+    interval = ratio.get("interval")
+    measured = f"{ratio['measured']:.2f}"
+    if interval:
+        measured += f" [{interval[0]:.2f}-{interval[1]:.2f}]"
+    simulated = f"{ratio['simulated']:.2f}" if "simulated" in ratio else "-"
+    return f"{measured} / {simulated}" + ("" if ratio.get("agree", True) else " **x**")
+
+
+def disagreements(result: dict, loads: dict[str, float]) -> list[list[str]]:
+    """The ratios (on vs off) where measured and simulated are more than ``AGREE`` apart and the
+    gate freezes, with the simulator's ratio under each of its two models of vLLM's router:
+    whether the router model moves the simulated ratio onto the measured one, or the measured
+    interval holds the simulated ratio (the percentile's own noise), or neither."""
+    rows = []
+    older = {(r["policy"], r["rate"]): r for r in result.get("ratios_least_loaded", [])}
+    for row in result.get("ratios", []):
+        if not row["freezes"]:
+            continue
+        for key in RATIO_KEYS:
+            ratio = row[key]
+            if ratio.get("agree", True):
+                continue
+            old = older.get((row["policy"], row["rate"]), {}).get(key, {})
+            interval = ratio.get("interval")
+            inside = "within" if ratio.get("in_interval") else "outside"
+            rows.append([
+                f"{row['policy']} vs {row['base']}", row["rate"], f"{loads[row['rate']]:g}", key,
+                f"{ratio['measured']:.2f}" + (f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else ""),
+                f"{ratio['simulated']:.2f}" + (f" ({inside})" if interval else ""),
+                f"{old['simulated']:.2f}" if "simulated" in old else "-",
+            ])  # fmt: skip
+    return rows
 
 
 def cdf(values: list[float]) -> tuple[list[float], list[float]]:

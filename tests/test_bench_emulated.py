@@ -118,3 +118,18 @@ def test_invalid_runs_are_left_out_of_the_means():
         {"policy": "on", "headroom": headroom(rank_records([10.0, 80.0]))},
     ]
     assert valid_runs(runs) == runs[:1]
+
+
+def test_the_measured_ratio_interval_pairs_the_same_requests():
+    """Every run serves the same requests in the same order: resampled in pairs, a policy that
+    changes nothing has the interval [1, 1] and one that doubles every TTFT [2, 2], however
+    spread the requests are; unpaired (different counts), the same values spread around 1."""
+    import numpy as np
+
+    from benchmarks.emulated import bootstrap_ratio
+
+    base = np.random.default_rng(1).lognormal(7.0, 1.0, 200)
+    assert bootstrap_ratio(base, base, 99) == [1.0, 1.0]
+    assert bootstrap_ratio(base, 2.0 * base, 99) == [2.0, 2.0]
+    low, high = bootstrap_ratio(base, base[:199], 99)
+    assert low < 1.0 < high
