@@ -375,7 +375,11 @@ def group_model(steps: dict, runs: list[dict]) -> dict:
 
 # The per-request metrics whose measured ratio gets a bootstrap interval: (per-request values,
 # percentile), as ``vllm bench serve`` computes them.
-INTERVAL_KEYS = {"ttft_p50_ms": ("ttft", 50), "ttft_p99_ms": ("ttft", 99), "tpot_p50_ms": ("tpot", 50)}
+INTERVAL_KEYS = {
+    "ttft_p50_ms": ("ttft", 50),
+    "ttft_p99_ms": ("ttft", 99),
+    "tpot_p50_ms": ("tpot", 50),
+}
 INTERVAL = 0.9
 
 
@@ -409,7 +413,8 @@ def bootstrap_ratio(base, other, q: float, draws: int = 2000, seed: int = 0) -> 
 
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(base), (draws, len(base)))
-    other_picks = picks if len(other) == len(base) else rng.integers(0, len(other), (draws, len(other)))
+    paired = len(other) == len(base)
+    other_picks = picks if paired else rng.integers(0, len(other), (draws, len(other)))
     ratios = np.percentile(other[other_picks], q, axis=1) / np.percentile(base[picks], q, axis=1)
     tail = (1.0 - INTERVAL) / 2.0
     return [round(float(x), 3) for x in np.quantile(ratios, [tail, 1.0 - tail])]
@@ -661,14 +666,17 @@ def group_markdown(name: str, result: dict, loads: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def measured_text(ratio: dict) -> str:
+    interval = ratio.get("interval")
+    bounds = f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else ""
+    return f"{ratio['measured']:.2f}{bounds}"
+
+
 def ratio_text(ratio: dict) -> str:
     """``measured [interval] / simulated``, marked where they are more than 20% apart."""
-    interval = ratio.get("interval")
-    measured = f"{ratio['measured']:.2f}"
-    if interval:
-        measured += f" [{interval[0]:.2f}-{interval[1]:.2f}]"
     simulated = f"{ratio['simulated']:.2f}" if "simulated" in ratio else "-"
-    return f"{measured} / {simulated}" + ("" if ratio.get("agree", True) else " **x**")
+    mark = "" if ratio.get("agree", True) else " **x**"
+    return f"{measured_text(ratio)} / {simulated}{mark}"
 
 
 def disagreements(result: dict, loads: dict[str, float]) -> list[list[str]]:
@@ -686,12 +694,10 @@ def disagreements(result: dict, loads: dict[str, float]) -> list[list[str]]:
             if ratio.get("agree", True):
                 continue
             old = older.get((row["policy"], row["rate"]), {}).get(key, {})
-            interval = ratio.get("interval")
             inside = "within" if ratio.get("in_interval") else "outside"
             rows.append([
                 f"{row['policy']} vs {row['base']}", row["rate"], f"{loads[row['rate']]:g}", key,
-                f"{ratio['measured']:.2f}" + (f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else ""),
-                f"{ratio['simulated']:.2f}" + (f" ({inside})" if interval else ""),
+                measured_text(ratio), f"{ratio['simulated']:.2f} ({inside})",
                 f"{old['simulated']:.2f}" if "simulated" in old else "-",
             ])  # fmt: skip
     return rows
