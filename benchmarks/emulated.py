@@ -88,6 +88,10 @@ DEFAULT_SCALE = 5.0
 DEFAULT_POLICIES = "off,on,bounded-hold:8"
 DEFAULT_LOADS = "0.6,0.8,1.0,1.2,1.4"
 CONTROL_LOADS = "1.0,1.4"
+# advise runs ~27 simulations (3 seeds; off, on, the hold; its step-model variants) per rate: at
+# every load it would take longer than the sweep's own simulations, so at the knee and above.
+ADVISE_LOADS = (1.0, 1.4)
+ADVISE_JOBS = 2
 # The calibration run's load, x the device model's own knee: below the real server's knee.
 CALIBRATION_LOAD = 0.6
 # A run is valid when every rank's CPU time is at most this share of the device time it
@@ -513,7 +517,7 @@ def advise_verdict(dp: int, rate: float, model: dict, out: Path, requests: int) 
         "--max-num-seqs", str(MAX_NUM_SEQS), "--rate", str(rate),
         "--prompt-len", PROMPT_LEN, "--output-len", OUTPUT_LEN,
         "--num-requests", str(requests), "--step-model", str(model_file),
-        "--no-progress", "--jobs", "1", *SIM_ARGS,
+        "--no-progress", "--jobs", str(ADVISE_JOBS), *SIM_ARGS,
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True)
     (out / f"advise_r{rate:g}.txt").write_text(result.stdout + result.stderr)
@@ -560,7 +564,9 @@ def observed_cells(runs: list[dict]) -> dict:
     return result
 
 
-def analyse_group(out: Path, name: str, dp: int, runs: list[dict], advise: bool) -> dict:
+def analyse_group(
+    out: Path, name: str, dp: int, runs: list[dict], advise_loads: tuple[float, ...]
+) -> dict:
     from benchmarks.serve_report import cluster_steps, load_steps, measured, simulate
 
     valid = valid_runs(runs)
@@ -588,9 +594,9 @@ def analyse_group(out: Path, name: str, dp: int, runs: list[dict], advise: bool)
     result["ratios_least_loaded"] = ratio_rows(
         out, table, result["simulated_least_loaded"], observed, valid
     )
-    if advise:
+    if advise_loads:
         result["advise"] = {}
-        for rate in sorted({r["rate"] for r in valid}):
+        for rate in sorted({r["rate"] for r in valid if r["knee"] in advise_loads}):
             requests = max(200, max(r["num_prompts"] for r in valid if r["rate"] == rate))
             verdict = advise_verdict(dp, rate, model, sim_dir, requests)
             result["advise"][f"{rate:g}"] = verdict
@@ -759,14 +765,15 @@ RUN_KEYS = ("dp device policy knee rate repeat server load completed num_prompts
             "headroom cores frozen balance overrun steps")  # fmt: skip
 
 
-def report(out: Path, advise: bool = True) -> dict:
+def report(out: Path, advise_loads: tuple[float, ...] = ADVISE_LOADS) -> dict:
     runs = json.loads((out / "runs.json").read_text())
     run_observations(out, runs)
     results, markdown = {}, []
     for dp, device in groups(runs):
         name = f"dp{dp}-{device}"
         mine = [r for r in runs if (r["dp"], r["device"]) == (dp, device)]
-        results[name] = analyse_group(out, name, dp, mine, advise and device == "per-rank")
+        judged = advise_loads if device == "per-rank" else ()
+        results[name] = analyse_group(out, name, dp, mine, judged)
         loads = {f"{r['rate']:g}": r["knee"] for r in mine}
         markdown.append(group_markdown(f"DP={dp}, {device} device", results[name], loads))
     summary = {
@@ -810,7 +817,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-prompts", type=int, default=200)
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench-emulated")
     parser.add_argument("--report-only", action="store_true", help="analyse --out as it is")
-    parser.add_argument("--no-advise", action="store_true", help="skip advise in the report")
+    parser.add_argument(
+        "--advise-loads",
+        default=ADVISE_LOADS,
+        type=lambda text: floats(text) if text else (),
+        help="the loads (x the knee) advise judges in the report; '' for none (%(default)s)",
+    )
     parser.add_argument(
         "--no-report", action="store_true", help="measure only (a sweep run in parts)"
     )
@@ -827,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         measure_grid(args, args.out)
     if not args.no_report:
-        report(args.out, advise=not args.no_advise)
+        report(args.out, args.advise_loads)
     return 0
 
 
