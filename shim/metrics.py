@@ -1,35 +1,42 @@
-"""Balance counters on vLLM's Prometheus ``/metrics``, written by the engine core that counts them.
+"""Balance counters of every DP rank on the API server's ``/metrics``, carried in SchedulerStats.
 
-The mechanism is prometheus_client's multiprocess mode, which vLLM's ``/metrics`` already
-serves: with ``PROMETHEUS_MULTIPROC_DIR`` set, the API server answers ``/metrics`` from a
-``MultiProcessCollector`` over that directory (``vllm.v1.metrics.prometheus``), and a metric
-created in any process of the server writes its values to a memory-mapped file there. The
-engine core's counters therefore reach ``/metrics`` without a message: nothing per step leaves
-the engine-core process beyond what vLLM already ships. The other route, a stat-logger plugin
-(``vllm.stat_logger_plugins``) fed by ``SchedulerStats``, would need a field ``SchedulerStats``
-does not have, i.e. more bytes shipped per step.
+Every engine core, on the head node or on a ``--headless`` node, already sends vLLM's
+``SchedulerStats`` to the API server with its outputs; the API server's stat loggers turn them
+into the per-engine ``vllm:*`` metrics. Balance rides along (docs/design.md, "Metrics for every
+rank", weighs this against a per-node exporter):
 
-vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` itself only for ``--api-server-count`` > 1, and after
-importing prometheus_client (an engine core forked from there keeps the in-memory store); the
-operator sets it before starting the server (docs/operations.md, "Metrics on /metrics").
-Otherwise nothing is exported and the activation log says why (``export_status``); the periodic
-log line stays either way.
+- engine core: at each periodic log line, ``BalanceMetrics.publish()`` queues what the counters
+  grew by since the previous line; the next ``make_stats()`` (``CarriesBalanceMetrics``, mixed
+  into the balance schedulers) hands the queue to vLLM as a ``BalanceSchedulerStats``: vLLM's
+  class plus one field, ``balance``. Every other step pays one attribute check there.
+- API server: ``BalanceStatLogger``, a vLLM stat-logger plugin (entry point
+  ``vllm.stat_logger_plugins``), adds each message's increases to counters labelled like vLLM's
+  own per-engine metrics (``model_name``, ``engine``), so ``/metrics`` after a rank's message
+  equals that rank's log line, whichever node the rank runs on.
+- on the wire: msgspec decodes a dataclass by its declared fields and drops the rest, so the API
+  server decodes ``EngineCoreOutputs.scheduler_stats`` as ``BalanceSchedulerStats``: a run-time
+  patch (``vllm_balance.registry.STATS_DECODED_WITH_BALANCE``) installed by the plugin before vLLM
+  builds its engine client.
 
-Cost: ``publish()`` runs with the periodic log line (every ``balance_log_interval_s``), not per
-step, and writes the deltas of ``BalanceStats``' cumulative counters, so after each publish the
-exported values equal that moment's log line. Only a blocked gather is written when it happens
-(``count_blocked_gather``, from the watchdog thread): the rank's scheduler is stuck in that
-gather and publishes nothing until it returns.
+Increases, not totals, travel: with several API servers (``--api-server-count``), an engine's
+stats go to whichever one has outputs that step, and prometheus_client's multiprocess collector
+adds up the API servers' counters. A rank stuck in a gather sends nothing until it returns: its
+blocked gathers (counted by the watchdog thread into ``BalanceStats``) arrive with its next
+message; while it waits, the watchdog's ERROR line is the signal.
 """
 
 from __future__ import annotations
 
-import os
+import time
+from dataclasses import dataclass, fields
 from typing import Any
 
-from vllm_balance.shim.stats import BalanceStats
+from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+from vllm.v1.metrics.stats import SchedulerStats
 
-MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+from vllm_balance.config import DEFAULT_LOG_INTERVAL_S, balance_enabled, balance_options
+from vllm_balance.log import logger
+from vllm_balance.shim.stats import BalanceStats
 
 # name (without "vllm:" and the "_total" prometheus_client adds), BalanceStats field, help text.
 COUNTERS = (
@@ -55,88 +62,176 @@ COUNTERS = (
         "gather_seconds",
         "Seconds spent in those all-gathers (waiting for the slowest rank included).",
     ),
-)
-BLOCKED_COUNTER = (
-    "balance_gather_blocked",
-    "Gathers the gather watchdog reported blocked (waited over balance_gather_warn_s).",
+    (
+        "balance_gather_blocked",
+        "blocked_gathers",
+        "Gathers the gather watchdog reported blocked (waited over balance_gather_warn_s).",
+    ),
 )
 GAP_GAUGE = (
     "balance_running_gap",
     "Largest minus smallest running count in the last published gather.",
 )
+# How many publish intervals the API server waits for an engine's first counters before it
+# says that engine sends none (a node without the plugin, or with balance off).
+SILENT_INTERVALS = 3
+
+
+@dataclass
+class BalanceSchedulerStats(SchedulerStats):
+    """vLLM's ``SchedulerStats`` plus one rank's balance counters: ``{name: increase}``."""
+
+    balance: dict[str, float] | None = None
 
 
 class BalanceMetrics:
-    """One rank's balance metrics, labelled like vLLM's per-engine ones (model_name, engine)."""
+    """Engine side: one rank's counter increases waiting for the next ``SchedulerStats``."""
 
-    def __init__(self, model_name: str, engine: int) -> None:
-        from prometheus_client import Counter, Gauge
-
-        labels = {"model_name": model_name, "engine": str(engine)}
-
-        # registry=None: nothing scrapes this process's registry; the values go to the
-        # multiprocess directory, which the API server's collector reads.
-        def counter(name: str, documentation: str) -> Any:
-            metric = Counter(f"vllm:{name}", documentation, list(labels), registry=None)
-            return metric.labels(**labels)
-
-        self._counters = [(field, counter(name, doc)) for name, field, doc in COUNTERS]
-        self._blocked = counter(*BLOCKED_COUNTER)
-        gap = Gauge(
-            f"vllm:{GAP_GAUGE[0]}",
-            GAP_GAUGE[1],
-            list(labels),
-            registry=None,
-            multiprocess_mode="mostrecent",  # as vLLM's own per-engine gauges
-        )
-        self._gap = gap.labels(**labels)
+    def __init__(self) -> None:
         self._published: dict[str, float] = {}
+        # Empty while nothing waits: the per-step check in make_stats() is its truth value.
+        self.pending: dict[str, float] = {}
 
     def publish(self, stats: BalanceStats) -> None:
-        """Add what ``stats`` counted since the last publish; set the gap gauge."""
-        for field, child in self._counters:
+        """Queue what ``stats`` counted since the last publish, and the current gap."""
+        pending = self.pending
+        for name, field, _ in COUNTERS:
             value = getattr(stats, field)
-            delta = value - self._published.get(field, 0)
-            if delta:
-                child.inc(delta)
-                self._published[field] = value
+            pending[name] = pending.get(name, 0) + value - self._published.get(field, 0)
+            self._published[field] = value
         if stats.gathers:
-            self._gap.set(stats.gathered_max - stats.gathered_min)
+            pending[GAP_GAUGE[0]] = stats.gathered_max - stats.gathered_min
 
-    def count_blocked_gather(self) -> None:
-        self._blocked.inc()
+    def attach(self, stats: SchedulerStats) -> BalanceSchedulerStats:
+        """``stats`` as a ``BalanceSchedulerStats`` carrying the queue, which starts afresh."""
+        values = {f.name: getattr(stats, f.name) for f in fields(stats)}
+        carried = BalanceSchedulerStats(**values, balance=self.pending)
+        self.pending = {}
+        return carried
 
 
-def multiprocess_refusal() -> str | None:
-    """Why this process cannot export to vLLM's /metrics; None when it can."""
-    if not os.environ.get(MULTIPROC_DIR_ENV):
+class CarriesBalanceMetrics:
+    """Scheduler mixin: ``make_stats()`` hands the rank's queued counters to vLLM's stats.
+
+    ``_balance_metrics`` is set by the balance scheduler when balance is on; the class default
+    leaves ``make_stats()`` upstream's. ``make_stats()`` returns ``None`` where vLLM collects no
+    stats (``--disable-log-stats``): then nothing is carried and the queue keeps growing, summed.
+    """
+
+    _balance_metrics: BalanceMetrics | None = None
+
+    def make_stats(self, *args: Any, **kwargs: Any) -> Any:
+        stats = super().make_stats(*args, **kwargs)  # type: ignore[misc]
+        metrics = self._balance_metrics
+        if metrics is not None and metrics.pending and stats is not None:
+            return metrics.attach(stats)
+        return stats
+
+
+def export_status(log_stats: bool | None = None) -> str:
+    """The activation log's second line: where this rank's balance metrics go."""
+    if log_stats is False:
         return (
-            f"{MULTIPROC_DIR_ENV} is not set, so the API server's /metrics reads only its own "
-            "process (vLLM sets it only for --api-server-count > 1; set it to an empty "
-            "directory before starting the server to export them)"
+            "balance metrics not sent to the API server: this engine core collects no vLLM "
+            "stats (--disable-log-stats), which carry them; the log line stays"
         )
-    from prometheus_client import values
-
-    # prometheus_client picks its value store once, at import: a process forked from a parent
-    # that imported it before the variable was set keeps the in-memory store.
-    if values.ValueClass is values.MutexValue:
-        return (
-            f"prometheus_client was imported in this process before {MULTIPROC_DIR_ENV} was "
-            "set (set it in the environment that starts the server)"
-        )
-    return None
+    return (
+        "balance metrics sent to the API server's /metrics (vllm:balance_*) with vLLM's "
+        "SchedulerStats at each balance log interval"
+    )
 
 
-def export_status() -> str:
-    """The activation log's second line: whether balance metrics reach /metrics, and why not."""
-    refusal = multiprocess_refusal()
-    if refusal is not None:
-        return f"balance metrics not exported on /metrics: {refusal}"
-    return f"balance metrics exported on /metrics (vllm:balance_*) via {MULTIPROC_DIR_ENV}"
+class BalanceStatLogger(AggregateStatLoggerBase):
+    """API server side: the counters each engine's ``SchedulerStats`` carries, on ``/metrics``.
+
+    The prometheus objects are made with the first counters that arrive, not in ``__init__``:
+    vLLM builds its own Prometheus logger after the plugins' and unregisters every ``vllm:``
+    collector it finds then.
+    """
+
+    def __init__(self, vllm_config: Any, engine_indexes: list[int]) -> None:
+        self.model_name = vllm_config.model_config.served_model_name
+        self.engine_indexes = list(engine_indexes)
+        self.expected = balance_enabled(vllm_config)
+        interval_s = balance_options(vllm_config).log_interval_s if self.expected else None
+        self.silent_after_s = SILENT_INTERVALS * (interval_s or DEFAULT_LOG_INTERVAL_S)
+        self._families: dict[str, Any] | None = None
+        self._engines: dict[int, dict[str, Any]] = {}
+        # Engines that sent vLLM's stats but no balance counters yet: since when.
+        self._silent_since: dict[int, float] = {}
+        self._warned: set[int] = set()
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        balance = getattr(scheduler_stats, "balance", None)
+        if balance is None:
+            if self.expected and scheduler_stats is not None and engine_idx not in self._engines:
+                self._silent_since.setdefault(engine_idx, time.monotonic())
+            return
+        children = self._engines.get(engine_idx) or self._add_engine(engine_idx)
+        for name, value in balance.items():
+            child = children.get(name)
+            if child is None:  # a name this version does not know: a newer engine's
+                continue
+            if name == GAP_GAUGE[0]:
+                child.set(value)
+            elif value:
+                child.inc(value)
+
+    def _add_engine(self, engine: int) -> dict[str, Any]:
+        if self._families is None:
+            self._families = _families()
+        labels = {"model_name": self.model_name, "engine": str(engine)}
+        children = {name: family.labels(**labels) for name, family in self._families.items()}
+        self._engines[engine] = children
+        self._silent_since.pop(engine, None)
+        return children
+
+    def log(self) -> None:
+        """Say once per engine that it sends vLLM's stats but no balance counters."""
+        now = time.monotonic()
+        for engine, since in self._silent_since.items():
+            if engine not in self._warned and now - since > self.silent_after_s:
+                self._warned.add(engine)
+                logger.warning(
+                    "engine %d has sent vLLM's stats for %.0f s but no balance counters: its "
+                    "vllm:balance_* metrics stay absent. Check that node: "
+                    "vllm-balance-scheduling installed, the same --additional-config "
+                    "(enable_balance_scheduling) as this API server, and its plugin loaded "
+                    "(VLLM_PLUGINS)",
+                    engine,
+                    now - since,
+                )
+
+    def log_engine_initialized(self) -> None:
+        if self.expected:
+            logger.info(
+                "balance metrics: vllm:balance_* of engines %s on /metrics, from the counters "
+                "their SchedulerStats carry",
+                self.engine_indexes,
+            )
 
 
-def balance_metrics(vllm_config: Any, dp_rank: int) -> BalanceMetrics | None:
-    """This rank's metrics when the process can export them (``export_status()`` says why not)."""
-    if multiprocess_refusal() is not None:
-        return None
-    return BalanceMetrics(vllm_config.model_config.served_model_name, dp_rank)
+def _families() -> dict[str, Any]:
+    """The balance metric families in prometheus_client's default registry (vLLM's /metrics)."""
+    from prometheus_client import REGISTRY, Counter, Gauge
+
+    labels = ["model_name", "engine"]
+    for collector in list(REGISTRY._collector_to_names):  # one set per process, as vLLM's
+        if getattr(collector, "_name", "").startswith("vllm:balance_"):
+            REGISTRY.unregister(collector)
+    families: dict[str, Any] = {
+        name: Counter(f"vllm:{name}", documentation, labels) for name, _, documentation in COUNTERS
+    }
+    families[GAP_GAUGE[0]] = Gauge(
+        f"vllm:{GAP_GAUGE[0]}",
+        GAP_GAUGE[1],
+        labels,
+        multiprocess_mode="mostrecent",  # as vLLM's own per-engine gauges
+    )
+    return families

@@ -35,12 +35,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_balance.config import ALL_GATHER, balance_enabled, balance_options
 from vllm_balance.shim import collective
-from vllm_balance.shim.metrics import balance_metrics
+from vllm_balance.shim.metrics import BalanceMetrics, CarriesBalanceMetrics
 from vllm_balance.shim.stats import BalanceStats, PeriodicLog
 from vllm_balance.shim.watchdog import GatherWatchdog
 
 
-class BalanceSchedulerMixin:
+class BalanceSchedulerMixin(CarriesBalanceMetrics):
     """Balance state and gate; mixed in front of ``Scheduler`` or ``AsyncScheduler``.
 
     ``balance_queue`` is the public state the gate reads: the engine core's gather writes it,
@@ -86,14 +86,14 @@ class BalanceSchedulerMixin:
             self._dp_rank = parallel_config.data_parallel_rank
             # Feature detection, not a version: the admission limit the WAITING loop stops at.
             self.balance_cap: int = getattr(self, "max_num_active_reqs", self.max_num_running_reqs)
-            metrics = balance_metrics(vllm_config, self._dp_rank)
+            metrics = self._balance_metrics = BalanceMetrics()
             self._periodic_log = PeriodicLog(options.log_interval_s, metrics)
             self._max_frozen_steps = options.max_frozen_steps
             self._frozen_streak = 0
             self._release_next_step = False
             # Its thread starts with the first gather: only a scheduler that gathers needs one.
             self._gather_watchdog = GatherWatchdog(
-                options.gather_warn_s, self._dp_rank, self._dp_size, self.balance_stats, metrics
+                options.gather_warn_s, self._dp_rank, self._dp_size, self.balance_stats
             )
 
     def balance_gather(self) -> None:

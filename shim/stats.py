@@ -87,8 +87,10 @@ class BalanceStats:
 class PeriodicLog:
     """Every ``interval_s`` seconds: logs ``stats.log_line()`` and publishes to ``metrics``.
 
-    ``interval_s=None`` turns the line off; exported metrics are then published every
-    ``DEFAULT_LOG_INTERVAL_S``. Publishing with the line keeps /metrics equal to it.
+    ``interval_s=None`` turns the line off; the metrics are then published every
+    ``DEFAULT_LOG_INTERVAL_S``. Publishing with the line keeps /metrics equal to it: the
+    counters published here reach the API server with this step's ``SchedulerStats``
+    (``vllm_balance.shim.metrics``).
     """
 
     def __init__(self, interval_s: float | None, metrics: BalanceMetrics | None = None) -> None:

@@ -25,13 +25,9 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from vllm_balance.log import logger
 from vllm_balance.shim.stats import BalanceStats
-
-if TYPE_CHECKING:
-    from vllm_balance.shim.metrics import BalanceMetrics
 
 BLOCKED = "balance gather blocked"
 UNBLOCKED = "balance gather unblocked"
@@ -62,16 +58,14 @@ class GatherWatchdog:
         dp_rank: int,
         dp_size: int,
         stats: BalanceStats,
-        metrics: BalanceMetrics | None = None,
     ) -> None:
         self.started: float | None = None
         self.warn_s = warn_s
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        # Its blocked_gathers is counted here, as the report is made: the blocked rank's
+        # scheduler is in the gather and logs (and publishes) nothing until it returns.
         self.stats = stats
-        # Counted here, not by the periodic publish: the blocked rank's scheduler is in the
-        # gather and publishes nothing until it returns.
-        self.metrics = metrics
         self._blocked: _BlockedGather | None = None
         self.unstarted = True
         self._closed = threading.Event()
@@ -124,8 +118,6 @@ class GatherWatchdog:
                 return self.warn_s - waited
             blocked = self._blocked = _BlockedGather(started, completed + 1, waited)
             self.stats.blocked_gathers += 1
-            if self.metrics is not None:
-                self.metrics.count_blocked_gather()
         self.stats.longest_gather_wait_s = max(self.stats.longest_gather_wait_s, waited)
         if waited >= blocked.next_report_s:
             self._report_blocked(blocked, waited)

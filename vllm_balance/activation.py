@@ -151,8 +151,11 @@ def select_scheduler_cls(vllm_config: Any) -> type:
     return balance_cls
 
 
-def activate_for(vllm_config: Any) -> bool:
-    """Install or remove balance for this engine process; returns whether it is active."""
+def activate_for(vllm_config: Any, log_stats: bool | None = None) -> bool:
+    """Install or remove balance for this engine process; returns whether it is active.
+
+    ``log_stats``: whether this engine core collects vLLM's stats (they carry the metrics).
+    """
     if not balance_applies(vllm_config):
         DP_ENGINE_CORE_SWAP.uninstall()
         return False
@@ -171,7 +174,7 @@ def activate_for(vllm_config: Any) -> bool:
     )
     from vllm_balance.shim.metrics import export_status
 
-    logger.info("%s", export_status())
+    logger.info("%s", export_status(log_stats))
     return True
 
 
@@ -197,7 +200,7 @@ def _take_over_if_requested(vllm_config: Any) -> None:
 
 def balance_run_engine_core(*args: Any, dp_rank: int = 0, local_dp_rank: int = 0, **kwargs: Any):
     """Replacement for ``EngineCoreProc.run_engine_core``: decide, then run upstream's."""
-    activate_for(kwargs.get("vllm_config"))
+    activate_for(kwargs.get("vllm_config"), kwargs.get("log_stats"))
     upstream = RUN_ENGINE_CORE_WRAPPER.upstream()
     return upstream(*args, dp_rank=dp_rank, local_dp_rank=local_dp_rank, **kwargs)
 

@@ -144,7 +144,57 @@ DP_ENGINE_CORE_SWAP = RuntimePatch(
     replacement=_balance_dp_engine_core,
 )
 
-ALL_PATCHES: tuple[RuntimePatch, ...] = (RUN_ENGINE_CORE_WRAPPER, DP_ENGINE_CORE_SWAP)
+
+def _engine_core_outputs() -> Any:
+    from vllm.v1.engine import EngineCoreOutputs
+
+    return EngineCoreOutputs
+
+
+_DECODED_WITH_BALANCE: list[dict] = []
+
+
+def _annotations_with_balance_stats() -> dict:
+    """``EngineCoreOutputs``' annotations with ``scheduler_stats: BalanceSchedulerStats | None``.
+
+    One object (``is_installed()`` compares by identity), made from upstream's at first use.
+    """
+    if not _DECODED_WITH_BALANCE:
+        from vllm_balance.shim.metrics import BalanceSchedulerStats
+
+        upstream = STATS_DECODED_WITH_BALANCE.upstream()
+        replaced = {**upstream, "scheduler_stats": BalanceSchedulerStats | None}
+        _DECODED_WITH_BALANCE.append(replaced)
+    return _DECODED_WITH_BALANCE[0]
+
+
+STATS_DECODED_WITH_BALANCE = RuntimePatch(
+    name="vllm.v1.engine.EngineCoreOutputs.scheduler_stats (decoded type)",
+    why=(
+        "SchedulerStats has no field for a plugin's counters, and msgspec decodes a dataclass "
+        "by its declared fields only: the balance counters an engine core adds to its stats "
+        "(vllm_balance.shim.metrics) would be dropped by the API server's decoder, so a "
+        "headless node's ranks would never reach /metrics"
+    ),
+    how=(
+        "EngineCoreOutputs.__annotations__ replaced by a copy whose scheduler_stats is "
+        "BalanceSchedulerStats | None (SchedulerStats plus one optional field), by the plugin "
+        "in every process, before vLLM builds its engine client; it affects decoders built "
+        "after it (msgspec reads a Struct's field types once, at its first decoder); an engine "
+        "that sends no balance field decodes with balance=None"
+    ),
+    related_pr="none yet: a SchedulerStats field for plugin counters would remove it",
+    future_plan="drop with an upstream SchedulerStats extension field",
+    owner=_engine_core_outputs,
+    attribute="__annotations__",
+    replacement=_annotations_with_balance_stats,
+)
+
+ALL_PATCHES: tuple[RuntimePatch, ...] = (
+    RUN_ENGINE_CORE_WRAPPER,
+    DP_ENGINE_CORE_SWAP,
+    STATS_DECODED_WITH_BALANCE,
+)
 
 
 def scheduler_module() -> Any:

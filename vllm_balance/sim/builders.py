@@ -147,8 +147,13 @@ def make_kv_cache_config(num_blocks: int):
     )
 
 
-def make_scheduler(scheduler_cls: type | None = None, vllm_config=None, **config_kwargs):
-    """A real scheduler (upstream ``Scheduler`` unless ``scheduler_cls`` is given)."""
+def make_scheduler(
+    scheduler_cls: type | None = None, vllm_config=None, log_stats: bool = False, **config_kwargs
+):
+    """A real scheduler (upstream ``Scheduler`` unless ``scheduler_cls`` is given).
+
+    ``log_stats``: vLLM's stats collection (``make_stats()`` returns ``None`` without it).
+    """
     from vllm.v1.structured_output import StructuredOutputManager
 
     if scheduler_cls is None:
@@ -163,7 +168,7 @@ def make_scheduler(scheduler_cls: type | None = None, vllm_config=None, **config
         kv_cache_config=make_kv_cache_config(num_blocks),
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=BLOCK_SIZE,
-        log_stats=False,
+        log_stats=log_stats,
     )
 
 
