@@ -312,7 +312,15 @@ def e2e(session: nox.Session) -> None:
 def e2e_controls(session: nox.Session) -> None:
     """The real server's negative controls (lessons A and B) and SIGKILL faults (slow)."""
     install_e2e(session)
-    run_pytest(session, "slow", e2e_basetemp(session), "tests/e2e")
+    run_pytest(session, "slow and not multinode", e2e_basetemp(session), "tests/e2e")
+
+
+@nox.session(name="e2e-multinode")
+def e2e_multinode(session: nox.Session) -> None:
+    """Multi-node DP on two hosts (network namespaces, needs root): balance off / shim / compat,
+    metrics of every rank on the head's /metrics, the headless node paused and killed."""
+    install_e2e(session)
+    run_pytest(session, "multinode", e2e_basetemp(session), "tests/e2e/test_multinode.py")
 
 
 @nox.session(name="bench-serve")

@@ -48,3 +48,12 @@ def server_runs(tiny_model, tmp_path_factory):
     cache = RunCache(tiny_model, tmp_path_factory.mktemp("servers"))
     yield cache
     cache.close()
+
+
+@pytest.fixture(scope="session")
+def two_host_runs(tiny_model, tmp_path_factory):
+    from tests.e2e.multinode import TwoHostRunCache
+
+    cache = TwoHostRunCache(tiny_model, tmp_path_factory.mktemp("two-hosts"))
+    yield cache
+    cache.close()

