@@ -35,12 +35,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_balance.config import ALL_GATHER, balance_enabled, balance_options
 from vllm_balance.shim import collective
-from vllm_balance.shim.metrics import BalanceMetrics, CarriesBalanceMetrics
+from vllm_balance.shim.metrics import BalanceMetrics
 from vllm_balance.shim.stats import BalanceStats, PeriodicLog
 from vllm_balance.shim.watchdog import GatherWatchdog
 
 
-class BalanceSchedulerMixin(CarriesBalanceMetrics):
+class BalanceSchedulerMixin:
     """Balance state and gate; mixed in front of ``Scheduler`` or ``AsyncScheduler``.
 
     ``balance_queue`` is the public state the gate reads: the engine core's gather writes it,
@@ -86,7 +86,7 @@ class BalanceSchedulerMixin(CarriesBalanceMetrics):
             self._dp_rank = parallel_config.data_parallel_rank
             # Feature detection, not a version: the admission limit the WAITING loop stops at.
             self.balance_cap: int = getattr(self, "max_num_active_reqs", self.max_num_running_reqs)
-            metrics = self._balance_metrics = BalanceMetrics()
+            metrics = BalanceMetrics(self)  # it hands the counters to vLLM's stats
             self._periodic_log = PeriodicLog(options.log_interval_s, metrics)
             self._max_frozen_steps = options.max_frozen_steps
             self._frozen_streak = 0
