@@ -6,7 +6,14 @@ collective replaced by a Python no-op, so the two counts are exact and differ by
 lines alone; a real ``balance_gather()`` on a one-rank gloo group is counted beside them as the
 scale (its count moves by several percent from call to call: gloo's worker thread waits and wakes).
 
+And (issue 32) the metrics' route, per step: ``make_stats()``, which vLLM calls once per step
+with stats on, upstream vs a balance scheduler with nothing to carry (every step but one per
+log interval) vs one that carries a publish (that one step, its ``publish()`` included); and on
+the API server, the stat-logger plugin's ``record()`` of one engine's stats without and with
+balance counters.
+
     python benchmarks/instructions.py                  # DP 8/64/256, 3 repetitions
+    python benchmarks/instructions.py --metrics-only   # only the metrics' route
     python benchmarks/run.py --parts instructions      # the same, as a part of the benchmarks
 
 Why instructions, not time (the ``<= 1.02x`` bound of issue 3 is lost in wall-clock noise; they are
@@ -41,6 +48,7 @@ import steps
 
 MARKER = "_PyEval_CallTracing"
 GATHER_CALLS = 200
+STATS_CALLS = 200
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--gather-only",
         action="store_true",
         help="count only balance_gather() with and without its watchdog (no schedule() steps)",
+    )
+    p.add_argument(
+        "--metrics-only",
+        action="store_true",
+        help="count only the metrics' route: make_stats() and the stat logger's record()",
     )
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--child", help=argparse.SUPPRESS)  # labels file; set by the parent only
@@ -80,8 +93,8 @@ def _no_collective(tensor_list, tensor, group=None, async_op=False) -> None:
     """``all_gather`` that does nothing, at a fixed cost: the gathers' own lines stay exact."""
 
 
-def _repeated(gather):
-    """``GATHER_CALLS`` gathers in one counted region.
+def _repeated(gather, calls_per_region: int = GATHER_CALLS):
+    """``calls_per_region`` calls in one counted region.
 
     Callgrind counts every thread while collection is on, and one gather is only ~40,000
     instructions: a single one read 38,000-48,000 from call to call (other threads running inside
@@ -89,13 +102,49 @@ def _repeated(gather):
     """
 
     def calls() -> None:
-        for _ in range(GATHER_CALLS):
+        for _ in range(calls_per_region):
             gather()
 
     return calls
 
 
-def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
+def _metrics_regions() -> list[tuple[str, object]]:
+    """The metrics' route, ``STATS_CALLS`` calls per region (labels ``stats/...``)."""
+    from factories import make_scheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    import vllm_balance
+    from vllm_balance.shim.metrics import BalanceStatLogger
+
+    plain_config, balance_config = steps.scheduler_configs(8)
+    upstream = make_scheduler(Scheduler, plain_config, log_stats=True)
+    idle = make_scheduler(vllm_balance.BalanceScheduler, balance_config, log_stats=True)
+    carrying = make_scheduler(vllm_balance.BalanceScheduler, balance_config, log_stats=True)
+    counted = carrying.balance_stats
+    counted.record_gather([4, 1, 0, 4, 2, 3, 4, 4])
+    counted.record_step(frozen=True, released=False, num_waiting=7, dp_rank=0)
+
+    def carry() -> None:  # the publishing step: the log line's publish, then the hand-over
+        carrying._periodic_log.metrics.publish(counted)
+        carrying.make_stats()
+
+    logger = BalanceStatLogger(balance_config, list(range(8)))
+    vllms = PrometheusStatLogger(plain_config, list(range(8)))  # the scale on the API server
+    plain = upstream.make_stats()
+    carrying._periodic_log.metrics.publish(counted)
+    carried = carrying.make_stats()
+    return [
+        ("stats/upstream", _repeated(upstream.make_stats, STATS_CALLS)),
+        ("stats/balance-idle", _repeated(idle.make_stats, STATS_CALLS)),
+        ("stats/balance-publish", _repeated(carry, STATS_CALLS)),
+        ("stats/record-plain", _repeated(lambda: logger.record(plain, None, 3), STATS_CALLS)),
+        ("stats/record-balance", _repeated(lambda: logger.record(carried, None, 3), STATS_CALLS)),
+        ("stats/record-vllm", _repeated(lambda: vllms.record(plain, None, None, 3), STATS_CALLS)),
+    ]
+
+
+def child(dp_sizes: list[int], reps: int, labels_file: str, metrics_only: bool) -> None:
     import torch.distributed as dist
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
     from vllm.utils.network_utils import get_open_port
@@ -103,13 +152,16 @@ def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
     import vllm_balance
     from vllm_balance.sim.builders import make_scheduler, make_vllm_config
 
-    gatherer = make_scheduler(
-        vllm_balance.BalanceScheduler,
-        make_vllm_config(additional_config={"enable_balance_scheduling": True}),
-    )
-    gatherer.dp_group = stateless_init_torch_distributed_process_group(
-        "127.0.0.1", get_open_port(), 0, 1, backend="gloo"
-    )
+    metrics = _metrics_regions()
+    gatherer = None
+    if not metrics_only:
+        gatherer = make_scheduler(
+            vllm_balance.BalanceScheduler,
+            make_vllm_config(additional_config={"enable_balance_scheduling": True}),
+        )
+        gatherer.dp_group = stateless_init_torch_distributed_process_group(
+            "127.0.0.1", get_open_port(), 0, 1, backend="gloo"
+        )
     real_all_gather = dist.all_gather
     labels: list[str] = []
     # Round 0 is an uncounted warm-up: the first run of a code path pays one-time costs
@@ -117,6 +169,10 @@ def child(dp_sizes: list[int], reps: int, labels_file: str) -> None:
     # variant happens to run first.
     for rep in range(reps + 1):
         sink = labels if rep else None
+        for label, region in metrics:
+            _measured(label, region, sink)
+        if gatherer is None:
+            continue
         for dp in dp_sizes:
             configs = steps.scheduler_configs(dp)
             for workload in steps.WORKLOADS:
@@ -148,7 +204,7 @@ def _dump_totals(out_file: Path, count: int) -> list[int]:
     return totals
 
 
-def measure(dp_sizes: list[int], reps: int) -> dict:
+def measure(dp_sizes: list[int], reps: int, metrics_only: bool = False) -> dict:
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         raise SystemExit("instructions: valgrind not found on PATH (apt-get install valgrind)")
@@ -170,6 +226,7 @@ def measure(dp_sizes: list[int], reps: int) -> dict:
             "--reps",
             str(reps),
             *(["--dp", ",".join(map(str, dp_sizes))] if dp_sizes else ["--gather-only"]),
+            *(["--metrics-only"] if metrics_only else []),
         ]
         print(
             "  instructions: running under callgrind (minutes: vLLM's import is ~50x slower)",
@@ -190,7 +247,8 @@ def measure(dp_sizes: list[int], reps: int) -> dict:
         "active_path": payload["active_path"],
         "reps": reps,
         "rows": _rows(dp_sizes, counts),
-        "gather": _gather_row(counts),
+        "gather": None if metrics_only else _gather_row(counts),
+        "metrics": _metrics_row(counts),
         "counts": counts,
     }
 
@@ -214,6 +272,28 @@ def _gather_row(counts: dict[str, list[int]]) -> dict:
         "real_spread": round(max(per_call["real"]) / min(per_call["real"]) - 1, 5),
         # The real gather's count includes the watchdog's lines: with / without them.
         "watchdog_vs_real_gather": round(real / (real - added), 5),
+    }
+
+
+def _metrics_row(counts: dict[str, list[int]]) -> dict:
+    """Per-call medians of the metrics' route (each count covers ``STATS_CALLS`` calls)."""
+    per_call = {
+        label.removeprefix("stats/"): statistics.median(total / STATS_CALLS for total in totals)
+        for label, totals in counts.items()
+        if label.startswith("stats/")
+    }
+    spread = max(
+        max(totals) / min(totals) - 1 for label, totals in counts.items() if label[:6] == "stats/"
+    )
+    upstream = per_call["upstream"]
+    return {
+        "upstream_make_stats": round(upstream),
+        "idle_step_added": round(per_call["balance-idle"] - upstream),
+        "publish_step_added": round(per_call["balance-publish"] - upstream),
+        "record_plain": round(per_call["record-plain"]),
+        "record_balance": round(per_call["record-balance"]),
+        "record_vllm": round(per_call["record-vllm"]),
+        "spread": round(spread, 5),
     }
 
 
@@ -258,8 +338,23 @@ def markdown(result: dict) -> str:
             "| {on_frozen_ratio:.4f}x | {gate_instructions:,} | {spread:.3%}",
         )
         out.append("")
-    g = result["gather"]
+    m = result["metrics"]
     out.append(
+        f"The metrics' route on the {result['active_path']} path ({result['reps']} measurements "
+        f"of {STATS_CALLS} calls each, medians per call, rep-to-rep spread {m['spread']:.3%}): "
+        f"upstream's `make_stats()` executes {m['upstream_make_stats']:,} instructions; a "
+        f"balance scheduler's adds {m['idle_step_added']:,} on a step with nothing to carry "
+        f"and {m['publish_step_added']:,} on the step that carries a publish (once per log "
+        f"interval, `publish()` included). On the API server the stat-logger plugin's "
+        f"`record()` takes {m['record_plain']:,} per engine step without balance counters and "
+        f"{m['record_balance']:,} with them (vLLM's own Prometheus logger's: "
+        f"{m['record_vllm']:,})."
+    )
+    g = result["gather"]
+    if g is None:
+        return "\n".join(out)
+    out += [
+        "",
         f"The gather watchdog on the {result['active_path']} path ({result['reps']} measurements "
         f"of {GATHER_CALLS} gathers each, medians per gather): `balance_gather()` with the "
         f"collective stubbed out executes "
@@ -268,8 +363,8 @@ def markdown(result: dict) -> str:
         f"{g['spread']:.3%}): the watchdog adds {g['watchdog_instructions']:,} per gather. A real "
         f"`balance_gather()` on a one-rank gloo group executes {g['real_gather_instructions']:,} "
         f"(spread {g['real_spread']:.1%}); with the watchdog's lines it is "
-        f"{g['watchdog_vs_real_gather']:.4f}x what it would be without them."
-    )
+        f"{g['watchdog_vs_real_gather']:.4f}x what it would be without them.",
+    ]
     return "\n".join(out)
 
 
@@ -279,11 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps: expected a positive integer, got {args.reps}")
-    dp_sizes = [] if args.gather_only else args.dp
+    dp_sizes = [] if args.gather_only or args.metrics_only else args.dp
     if args.child:
-        child(dp_sizes, args.reps, args.child)
+        child(dp_sizes, args.reps, args.child, args.metrics_only)
         return 0
-    result = measure(dp_sizes, args.reps)
+    result = measure(dp_sizes, args.reps, args.metrics_only)
     steps.emit(result, markdown(result), args.json)
     return 0
 
