@@ -147,14 +147,17 @@ class TwoHostRun:
         }
 
 
+# What each host's environment adds (docs/operations.md, "Multi-node DP"): gloo binds to the
+# address the host name resolves to unless told the interface; the address vLLM advertises.
+NODE_ENV = ("GLOO_SOCKET_IFNAME", "VLLM_HOST_IP")
+
+
 def node_spec(base: ServerSpec, hosts: TwoHosts, host: Host, rank: int, workdir: Path):
     """``base`` as ``host``'s part of the two-host group (rank ``rank``)."""
     node = DPNode(address=hosts.head.address, rpc_port=RPC_PORT, start_rank=rank)
     env = {
         **base.env,
-        # gloo binds to the address the host name resolves to unless told the interface.
-        "GLOO_SOCKET_IFNAME": host.interface,
-        "VLLM_HOST_IP": host.address,
+        **dict(zip(NODE_ENV, (host.interface, host.address))),
         STEP_DIR_ENV: str(workdir),
         "PYTHONPATH": str(ROOT),  # the headless launcher is tests.e2e.vllm_serve
     }
@@ -402,6 +405,7 @@ def kill_headless_node(head: VllmServer, node1: VllmServer) -> dict:
         "load_error": repr(load.error) if load.error else None,
         "head_exit_s": head_exit_s,
         "head_returncode": head.process.poll(),
+        "outcomes": [asdict(o) for o in outcomes],
     }
 
 

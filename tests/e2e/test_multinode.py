@@ -12,12 +12,17 @@ SIGCONT), then the headless node killed (SIGKILL) under load.
 
 from __future__ import annotations
 
+import json
+import re
+import shlex
+
 import pytest
 
-from tests.e2e.multinode import BLOCKED_SLACK_S, TWO_HOST_MODES
+from tests.e2e.multinode import BLOCKED_SLACK_S, NODE_ENV, RPC_PORT, TWO_HOST_MODES
 from tests.e2e.runs import (
     BALANCE_PREFIX,
     LOAD_REQUESTS,
+    ROOT,
     WAVES,
     activation_lines,
     last_stats_per_rank,
@@ -25,8 +30,10 @@ from tests.e2e.runs import (
     metrics_as_log_lines,
     stats_lines_per_rank,
 )
+from tests.e2e.server import DPNode
+from tests.e2e.test_laptop_doc import ENV_ASSIGNMENT
 from tests.e2e.test_server import PROBLEM_MARKERS, VLLM_RUNNING
-from vllm_balance.config import DEFAULT_GATHER_WARN_S
+from vllm_balance.config import DEFAULT_GATHER_WARN_S, ENABLE_KEY
 
 # The first test of a mode starts its two nodes (start-up <= 600 s, load <= 600 s, faults a
 # few minutes, stop <= 60 s).
@@ -41,6 +48,9 @@ ON_ROWS = [row for row in ROWS if TWO_HOST_MODES[row.values[0]].mode.path]
 FAULT_ROWS = [name for name, mode in TWO_HOST_MODES.items() if mode.faults]
 # Slack allowed to balance on over balance off in time-to-failure (noise on 2 cores).
 FAULT_SLACK_S = 10.0
+# The two hosts of docs/operations.md "Multi-node DP".
+DOC_ADDRESSES = ("10.0.0.1", "10.0.0.2")
+DOC_HEAD_ADDRESS = DOC_ADDRESSES[0]
 
 
 @pytest.mark.parametrize("name", ROWS)
@@ -245,3 +255,46 @@ def test_killed_headless_node_balance_on_fails_no_later_than_off(two_host_runs):
     on, off = two_host_runs.get("compat").kill, two_host_runs.get("off").kill
     print(f"SIGKILL of the headless node: on={on} off={off}")
     assert on["clients_done_s"] <= off["clients_done_s"] + FAULT_SLACK_S, (on, off)
+
+
+# ----------------------------------------------------------------------------------- the docs
+def documented_bash(pattern: str) -> str:
+    """The one line of docs/operations.md's ```bash blocks that matches ``pattern``.
+
+    (Only ```bash fences: the ```text blocks around them hold log lines, not commands.)
+    """
+    text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S)
+    lines = "".join(blocks).replace("\\\n", " ").splitlines()
+    (command,) = [line for line in lines if re.search(pattern, line)]
+    return command
+
+
+def flag_values(words: list[str]) -> dict[str, str | bool]:
+    """``--flag value`` pairs of a command line; a flag with no value is True."""
+    values: dict[str, str | bool] = {}
+    for index, word in enumerate(words):
+        if word.startswith("--"):
+            following = words[index + 1] if index + 1 < len(words) else "--"
+            values[word] = True if following.startswith("--") else following
+    return values
+
+
+@pytest.mark.parametrize(
+    "rank,pattern", [(0, r"vllm serve .*--api-server-count"), (1, "--headless")]
+)
+@pytest.mark.multinode
+def test_operations_multinode_commands_carry_the_tested_flags(rank, pattern):
+    """docs/operations.md "Multi-node DP": each host's command has the multi-node flags and the
+    environment the two-host test runs that host with (with the doc's addresses)."""
+    words = shlex.split(documented_bash(pattern))
+    env = {}
+    while ENV_ASSIGNMENT.match(words[0]):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    flags = flag_values(words)
+    node = DPNode(address=DOC_HEAD_ADDRESS, rpc_port=RPC_PORT, start_rank=rank)
+    assert flag_values(node.args()).items() <= flags.items()
+    assert flags["--data-parallel-size"] == "2"
+    assert env["VLLM_HOST_IP"] == DOC_ADDRESSES[rank] and set(env) == set(NODE_ENV)
+    assert json.loads(flags["--additional-config"]) == {ENABLE_KEY: True}
