@@ -30,19 +30,16 @@ import pytest
 from vllm_balance_e2e_plugins.step_timing import STEP_DIR_ENV
 from vllm_balance_e2e_plugins.variants import VARIANT_ENV
 
-from tests.e2e.load import BackgroundLoad, Outcome, Stall, make_prompts, send_concurrently
+from tests.e2e.load import BackgroundLoad, Outcome, make_prompts
 from tests.e2e.netns import Host, TwoHosts, namespace_refusal, tcp_peers
 from tests.e2e.runs import (
-    LOAD_REQUESTS,
     MODEL_DTYPE,
     MODES,
     ROOT,
-    STALL_S,
-    WAVES,
     Mode,
-    compat_refusal,
-    send_waves,
-    set_seam,
+    RunCache,
+    probe_after_the_load,
+    serve_the_load,
 )
 from tests.e2e.server import (
     STARTUP_TIMEOUT_S,
@@ -83,15 +80,14 @@ FAULT_PROMPTS = dict(count=16, seed=1, min_tokens=150, max_tokens=200)
 
 
 @dataclass(frozen=True)
-class TwoHostMode:
-    mode: Mode
-    faults: bool  # pause and kill the headless node after the load (else: a clean stop)
+class TwoHostMode(Mode):
+    faults: bool = False  # pause and kill the headless node after the load (else: a clean stop)
 
 
 TWO_HOST_MODES = {
-    "shim": TwoHostMode(MODES["shim"], faults=False),
-    "compat": TwoHostMode(MODES["compat"], faults=True),
-    "off": TwoHostMode(MODES["off"], faults=True),
+    "shim": TwoHostMode(**asdict(MODES["shim"])),
+    "compat": TwoHostMode(**asdict(MODES["compat"]), faults=True),
+    "off": TwoHostMode(**asdict(MODES["off"]), faults=True),
 }
 
 
@@ -99,8 +95,7 @@ TWO_HOST_MODES = {
 class TwoHostRun:
     """What one two-host server did, from start to after both nodes were gone."""
 
-    name: str
-    two_host_mode: TwoHostMode
+    mode: TwoHostMode
     addresses: dict[str, str] = field(default_factory=dict)  # node -> its veth address
     started_after_s: dict[str, float | None] = field(default_factory=dict)  # node -> seconds
     outcomes: list[Outcome] = field(default_factory=list)
@@ -121,10 +116,6 @@ class TwoHostRun:
     serving_log: dict[str, str] = field(default_factory=dict)  # node -> start-up and load
     log: dict[str, str] = field(default_factory=dict)  # node -> everything
 
-    @property
-    def mode(self) -> Mode:
-        return self.two_host_mode.mode
-
     def texts(self) -> dict[str, str]:
         return {o.prompt.key: o.text for o in self.outcomes}
 
@@ -134,7 +125,7 @@ class TwoHostRun:
     def summary(self) -> dict:
         """The numbers a report needs (written beside the logs as two-hosts.json)."""
         return {
-            "mode": self.name,
+            "mode": self.mode.name,
             "addresses": self.addresses,
             "started_after_s": self.started_after_s,
             "peers": self.peers,
@@ -174,38 +165,20 @@ def node_spec(base: ServerSpec, hosts: TwoHosts, host: Host, rank: int, workdir:
     )
 
 
-class TwoHostRunCache:
+class TwoHostRunCache(RunCache):
     """``get(name)`` runs that mode's two-host server once per session and returns its record."""
 
-    def __init__(self, model: Path, workdir: Path) -> None:
-        self.model = model
-        self.workdir = workdir
-        self._runs: dict[str, TwoHostRun] = {}
-        self._failures: dict[str, str] = {}
-        self._seam_touched = False
+    modes = TWO_HOST_MODES
 
     def get(self, name: str) -> TwoHostRun:
         refusal = namespace_refusal()
         if refusal:
             pytest.skip(f"two hosts cannot be made here: {refusal}")
-        if name in self._failures:
-            pytest.fail(self._failures[name], pytrace=False)
-        if name not in self._runs:
-            two_host_mode = TWO_HOST_MODES[name]
-            self._seam_touched = True
-            set_seam(two_host_mode.mode.seam)
-            if two_host_mode.mode.path == "compat" and (refusal := compat_refusal()):
-                pytest.skip(refusal)
-            try:
-                self._runs[name] = self.run(name, two_host_mode)
-            except ServerError as exc:
-                self._failures[name] = f"two-host {name} server: {exc}"
-                raise
-        return self._runs[name]
+        return super().get(name)
 
-    def run(self, name: str, two_host_mode: TwoHostMode) -> TwoHostRun:
-        record = TwoHostRun(name, two_host_mode)
-        workdir = self.workdir / name
+    def run(self, mode: TwoHostMode) -> TwoHostRun:  # type: ignore[override]
+        record = TwoHostRun(mode)
+        workdir = self.workdir / mode.name
         hosts = TwoHosts()
         try:
             with hosts:
@@ -241,23 +214,16 @@ class TwoHostRunCache:
                 for name, server in servers.items()
                 for pid in server.pids_named("VLLM::EngineCore")
             }
-            record.health_status = head.http_status("/health")
-            record.metrics_status = head.http_status("/metrics")
-            if record.metrics_status == 200:
-                record.metrics_text = head.http_text("/metrics")
+            probe_after_the_load(head, record)
             record.serving_log = {name: s.log_text() for name, s in servers.items()}
             record.steps = step_records(workdir)
-            if record.two_host_mode.faults:
+            if record.mode.faults:
                 record.pause = pause_headless_engine_core(head, node1, record.mode)
                 record.kill = kill_headless_node(head, node1)
         finally:
             record.stop_report, record.headless_followed_head = stop_both(head, node1)
             record.leftovers = head.leftovers() + node1.leftovers()
             record.log = {name: s.log_text() for name, s in servers.items()}
-
-    def close(self) -> None:
-        if self._seam_touched:
-            set_seam(False)
 
 
 def wait_until_up(head: VllmServer, node1: VllmServer) -> dict[str, float | None]:
@@ -283,20 +249,6 @@ def wait_until_up(head: VllmServer, node1: VllmServer) -> dict[str, float | None
         f"two-host server not healthy after {STARTUP_TIMEOUT_S:.0f} s\n"
         f"head:\n{head.log_tail()}\nnode1:\n{node1.log_tail()}"
     )
-
-
-def serve_the_load(head: VllmServer, record: TwoHostRun) -> None:
-    """The one-host rows' load: the concurrent burst, then single-request waves."""
-    try:
-        record.outcomes = send_concurrently(
-            head.base_url, make_prompts(LOAD_REQUESTS), stall_s=STALL_S
-        )
-        send_waves(head.base_url, WAVES, STALL_S, record.wave_outcomes)
-    except Stall as stall:
-        frames = engine_core_main_frames(head.dump_stacks())
-        record.stall = f"{stall}; head's engine core's busy-loop frames: {frames}"
-    # The last steps' stats reach the API server just after their tokens.
-    time.sleep(2)
 
 
 def step_records(workdir: Path) -> list[dict]:

@@ -70,6 +70,7 @@ class TwoHosts:
         self._created: list[str] = []
 
     def __enter__(self) -> TwoHosts:
+        remove_stale()
         try:
             self.create()
         except BaseException:
@@ -138,6 +139,18 @@ class TwoHosts:
         if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]
+
+
+def remove_stale() -> list[str]:
+    """Remove the namespaces of earlier runs whose test process is gone (killed mid-run before
+    its own tear-down); returns their names. Only this module's names: ``vbal-<pid>-...``."""
+    removed = []
+    for path in NETNS_DIR.glob("vbal-*-*") if NETNS_DIR.is_dir() else ():
+        pid = path.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            _ip("netns", "del", path.name)
+            removed.append(path.name)
+    return removed
 
 
 def enter_namespace(namespace: str) -> None:

@@ -16,6 +16,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -212,8 +213,37 @@ def send_waves(base_url: str, waves: int, stall_s: float, outcomes: list[Outcome
         outcomes += send_concurrently(base_url, [prompt], stall_s=stall_s)
 
 
+def serve_the_load(server: VllmServer, record) -> None:
+    """The rows' load on ``server``: the concurrent burst, then single-request waves, into
+    ``record``; a stall is recorded with where each of ``server``'s engine cores waited."""
+    try:
+        record.outcomes = send_concurrently(
+            server.base_url, make_prompts(LOAD_REQUESTS), stall_s=STALL_S
+        )
+        send_waves(server.base_url, WAVES, STALL_S, record.wave_outcomes)
+    except Stall as stall:
+        frames = engine_core_main_frames(server.dump_stacks())
+        record.stall = f"{stall}; engine cores' busy-loop frames: {frames}"
+
+
+def probe_after_the_load(server: VllmServer, record) -> None:
+    """``/health`` and ``/metrics`` into ``record``, once the last steps' stats are in."""
+    time.sleep(2)  # a step's stats reach the API server just after its tokens
+    record.health_status = server.http_status("/health")
+    record.metrics_status = server.http_status("/metrics")
+    if record.metrics_status == 200:
+        record.metrics_text = server.http_text("/metrics")
+
+
 class RunCache:
-    """``get(mode)`` runs that mode's server once per session and returns its record."""
+    """``get(mode)`` runs that mode's server once per session and returns its record.
+
+    A mode whose server failed fails every later test that asks for it, with the same message;
+    a compat mode on a release compat refuses skips with compat's reason. Subclasses name their
+    ``modes`` and their ``run(mode)`` (``tests/e2e/multinode.py``: two hosts).
+    """
+
+    modes: dict[str, Mode] = MODES
 
     def __init__(self, model: Path, workdir: Path) -> None:
         self.model = model
@@ -232,7 +262,7 @@ class RunCache:
         if name in self._skips:
             pytest.skip(self._skips[name])
         if name not in self._runs:
-            mode = MODES[name]
+            mode = self.modes[name]
             self.set_seam(mode.seam)
             refusal = compat_refusal() if mode.path == "compat" else None
             if refusal:
@@ -262,19 +292,9 @@ class RunCache:
         try:
             with server:
                 record.started_after_s = server.started_after_s
-                try:
-                    record.outcomes = send_concurrently(
-                        server.base_url, make_prompts(LOAD_REQUESTS), stall_s=STALL_S
-                    )
-                    send_waves(server.base_url, WAVES, STALL_S, record.wave_outcomes)
-                except Stall as stall:
-                    frames = engine_core_main_frames(server.dump_stacks())
-                    record.stall = f"{stall}; engine cores' busy-loop frames: {frames}"
+                serve_the_load(server, record)
                 record.save_outcomes(server.workdir / "outcomes.json")
-                record.health_status = server.http_status("/health")
-                record.metrics_status = server.http_status("/metrics")
-                if record.metrics_status == 200:
-                    record.metrics_text = server.http_text("/metrics")
+                probe_after_the_load(server, record)
                 record.serving_log = server.log_text()
                 if mode.name in self.while_up:
                     record.while_up = self.while_up[mode.name](server)

@@ -44,7 +44,7 @@ ROWS = [
     pytest.param(name, marks=[] if name == "shim" else [pytest.mark.slow])
     for name in TWO_HOST_MODES
 ]
-ON_ROWS = [row for row in ROWS if TWO_HOST_MODES[row.values[0]].mode.path]
+ON_ROWS = [row for row in ROWS if TWO_HOST_MODES[row.values[0]].path]
 FAULT_ROWS = [name for name, mode in TWO_HOST_MODES.items() if mode.faults]
 # Slack allowed to balance on over balance off in time-to-failure (noise on 2 cores).
 FAULT_SLACK_S = 10.0
