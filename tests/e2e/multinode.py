@@ -11,10 +11,11 @@ hosts whose host names do not resolve to the interface between them (here they r
 loopback). The test's own HTTP client runs in the head node's namespace, on its loopback.
 
 ``TwoHostRunCache.get(mode)`` starts one two-host server per mode once per pytest session, sends
-the same load as the one-host rows (``tests/e2e/runs.py``), records what each node did and tears
-both nodes and both namespaces down; modes with ``faults`` then pause the headless engine core
-(SIGSTOP, SIGCONT) and finally kill the headless node (SIGKILL) under load instead of a clean stop.
-The tests (``tests/e2e/test_multinode.py``) are assertions on that record.
+the same load as the one-host rows (``tests/e2e/runs.py``) and records what each node did; modes
+with ``faults`` then pause the headless engine core (SIGSTOP, SIGCONT) and kill the headless node
+(SIGKILL) under load, the others are stopped as an operator would (SIGTERM to each node); then
+nothing of either node may be left, and both namespaces are removed. The tests
+(``tests/e2e/test_multinode.py``) are assertions on that record.
 """
 
 from __future__ import annotations
