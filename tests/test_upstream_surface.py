@@ -59,6 +59,31 @@ def test_scheduler_classes_and_signatures_the_mixin_extends():
     assert SchedulerOutput.__module__ == "vllm.v1.core.sched.output"
 
 
+# shim/metrics.py (and registry.STATS_DECODED_WITH_BALANCE)
+
+
+def test_stats_route_the_metrics_ride():
+    """The engine's stats hook, the wire type the API server decodes, the stat-logger plugin
+    interface (tests/test_metrics.py runs the route itself on the pins)."""
+    import dataclasses
+
+    from vllm.plugins import STAT_LOGGER_PLUGINS_GROUP
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.loggers import AggregateStatLoggerBase, StatLoggerManager
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    scheduler = factories.make_scheduler(log_stats=True)
+    assert scheduler.log_stats is True and "make_stats" in vars(Scheduler)
+    assert type(scheduler.make_stats()) is SchedulerStats and dataclasses.is_dataclass(
+        SchedulerStats
+    )
+    assert "SchedulerStats" in str(EngineCoreOutputs.__dict__["__annotations__"]["scheduler_stats"])
+    assert STAT_LOGGER_PLUGINS_GROUP == "vllm.stat_logger_plugins"
+    assert parameters(AggregateStatLoggerBase.__init__) == ["self", "vllm_config", "engine_indexes"]
+    assert "engine_idx" in parameters(AggregateStatLoggerBase.record)
+    assert "custom_stat_loggers" in parameters(StatLoggerManager.__init__)
+
+
 # shim/engine_core.py
 
 
