@@ -18,6 +18,7 @@ exit, and ``leftovers()`` says whether anything of them remains.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import subprocess
 import threading
@@ -46,16 +47,23 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
 
 
+@functools.cache
 def namespace_refusal() -> str | None:
-    """Why two hosts cannot be made here (not root, no ``ip``, no namespaces); None if they can."""
+    """Why two hosts cannot be made here (not root, no ``ip``, no namespaces or veth); None if
+    they can: a probe pair is made and removed, as ``TwoHosts`` would."""
     if os.geteuid() != 0:
         return "network namespaces need root (ip netns add); this test runs as a normal user"
     try:
-        probe = _ip("netns", "list")
+        _ip("-V")
     except FileNotFoundError:
         return "the ip command (iproute2) is not installed"
-    if probe.returncode != 0:
-        return f"ip netns does not work here: {probe.stderr.strip()}"
+    probe = TwoHosts(f"{os.getpid()}p")
+    try:
+        probe.create()
+    except RuntimeError as exc:
+        return f"two network namespaces and a veth pair cannot be made here: {exc}"
+    finally:
+        probe.remove()
     return None
 
 
