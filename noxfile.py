@@ -243,13 +243,6 @@ def package(session: nox.Session) -> None:
     session.run("python", str(ROOT / "tools" / "package_check.py"), wheel, *sdists)
 
 
-def install_reach(session: nox.Session) -> None:
-    """The release-tag venv; newer releases' wheels shadow its vLLM, and import a few more
-    packages on the scheduler's import path."""
-    install_pinned_vllm(session, "release-tag")
-    session.install("-r", "upstream_patch/reach-requirements.txt")
-
-
 @nox.session(name="vllm-own-tests")
 def vllm_own_tests(session: nox.Session) -> None:
     """vLLM's own test_scheduler.py and test_async_scheduler.py plus the seam's tests, patched vs
@@ -258,8 +251,9 @@ def vllm_own_tests(session: nox.Session) -> None:
     Each release's wheel shadows the pinned vLLM on PYTHONPATH (run_vllm_tests.py --release), so
     one venv serves every release, as in `nox -s reach`.
     """
-    install_reach(session)
-    releases = session.posargs or [read_pin(name).version for name in PIN_NAMES]
+    install_pinned_vllm(session, "release-tag")
+    # dict.fromkeys: one run per release (the release tag is also the e2e pin's vLLM).
+    releases = session.posargs or list(dict.fromkeys(read_pin(name).version for name in PIN_NAMES))
     for release in releases:
         if release is None:
             session.error("a pin is not an exact release: name the release (-- X.Y.Z)")
@@ -273,13 +267,14 @@ def vllm_own_tests(session: nox.Session) -> None:
 
 @nox.session
 def reach(session: nox.Session) -> None:
-    """Both paths on every vLLM release from the release tag up (or `-- --versions X`): the
-    differential suite, the contract tests and vLLM's own tests; regenerates the support matrix.
+    """Both paths on every vLLM release from the oldest seam series (0.24.0, the seed's release
+    tag) up (or `-- --versions X`): the differential suite, the contract tests and vLLM's own
+    tests; regenerates the support matrix.
 
     Each release's wheel shadows the pinned vLLM on PYTHONPATH (upstream_patch/reach.py), so one
     venv serves every release. On demand only: CI runs the pins.
     """
-    install_reach(session)
+    install_pinned_vllm(session, "release-tag")
     session.run("python", "upstream_patch/reach.py", *session.posargs)
 
 

@@ -61,8 +61,9 @@ def _own_tests(own: dict) -> str:
     return f"{balance} passed / upstream {upstream}, {own['lost']} lost"
 
 
-def _path_row(release: str, path: str, run: dict | None, pin: str | None, usable: str) -> str:
-    ci = CI_SESSIONS[pin][path] if pin else ""
+def _path_row(release: str, path: str, run: dict | None, pins: list[str], usable: str) -> str:
+    # One release can be several pins (the release tag is also the e2e server's vLLM).
+    ci = "; ".join(CI_SESSIONS[pin][path] for pin in pins)
     if run is None:
         verdict = f"CI ({ci})" if ci else "not run"
         return f"| {release} | {path} | {usable} | {verdict} | - | - | - | - |"
@@ -76,7 +77,9 @@ def _path_row(release: str, path: str, run: dict | None, pin: str | None, usable
 
 
 def render(today: str) -> str:
-    pinned = {read_pin(name).version: name for name in PIN_NAMES}
+    pinned: dict[str | None, list[str]] = {}
+    for name in PIN_NAMES:
+        pinned.setdefault(read_pin(name).version, []).append(name)
     compat = {e["release"] for e in json.loads(FINGERPRINTS.read_text())["verified"]}
     evidence = json.loads(EVIDENCE.read_text()) if EVIDENCE.exists() else {}
     series = {s.ref.removeprefix("v"): s.ref for s in all_series()}
@@ -88,15 +91,15 @@ def render(today: str) -> str:
     rows, costs, cpu = [], [], []
     for release in releases:
         runs = evidence.get(release, {})
-        pin = pinned.get(release)
-        name = f"{release} ({pin})" if pin else release
+        pins = pinned.get(release, [])
+        name = f"{release} ({', '.join(pins)})" if pins else release
         usable = {
             "compat": "yes (fingerprint verified)" if release in compat else "refused (unverified)",
             "shim": (
                 f"with `upstream_patch/{series[release]}/`" if release in series else "no series"
             ),
         }
-        rows += [_path_row(name, path, runs.get(path), pin, usable[path]) for path in usable]
+        rows += [_path_row(name, path, runs.get(path), pins, usable[path]) for path in usable]
         if "cost" in runs:
             cost = runs["cost"]
             minutes = [
@@ -129,7 +132,9 @@ def render(today: str) -> str:
                 *costs,
             ],
             "cpu-builds": cpu or ["- none checked yet."],
-            "metrics": [f"- {release} ({pin})" for release, pin in pinned.items() if release],
+            "metrics": [
+                f"- {release} ({', '.join(pins)})" for release, pins in pinned.items() if release
+            ],
         },
     )
 

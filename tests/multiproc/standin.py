@@ -54,6 +54,7 @@ class StandInWorker:
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
         parallel_config = vllm_config.parallel_config
+        self.cache_config = vllm_config.cache_config
         self.dp_rank = parallel_config.data_parallel_rank
         # NOTE: vLLM hands every DP-related process group its own port from the list the front
         # end sent in the handshake (ParallelConfig.get_next_dp_init_port); the engine core's DP
@@ -89,6 +90,29 @@ class StandInWorker:
 
     def get_supported_tasks(self) -> tuple:
         return ("generate",)
+
+    # vLLM 0.30+: EngineCore._initialize_kv_caches resolves one KV cache layout before profiling
+    # memory: it asks every worker for the layouts its attention backends support
+    # (get_supported_kv_cache_layouts), resolves one (resolve_kv_cache_layout) and publishes it
+    # (set_kv_cache_layout). Earlier releases never call these two.
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        # vLLM's own answer for a worker whose backends declare nothing: the stand-in has no
+        # attention layers, so no backend (WorkerBase would look them up in the model).
+        from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+
+        return [layout.name for layout in get_supported_kv_cache_layouts(())]
+
+    def set_kv_cache_layout(self, layout_name: str, cp_kv_cache_interleave_size: Any = None) -> None:
+        # As WorkerBase does: record the layout on this process's config (0.33+ also sends the
+        # context-parallel interleave size, which only a real model's KV cache would read).
+        from vllm.v1.attention.backends.utils import record_kv_cache_layout
+
+        record_kv_cache_layout(self.cache_config, layout_name)
+
+    def supports_draft_weight_updates(self) -> bool:
+        # 0.30+: the engine core's READY message carries it (0.33+ asks only when weight transfer
+        # is configured). As WorkerBase: no draft model, nothing to update.
+        return False
 
     # ---- the forward ----
     def _moe_collective(self) -> None:
@@ -203,9 +227,14 @@ class StandInExecutor(Executor):
         self.worker = StandInWorker(self.vllm_config)
 
     def initialize_from_config(self, kv_cache_configs: Any) -> None:
-        # The base class also asks workers to compile/warm up and reads compilation times back;
-        # there is nothing to compile.
+        # Before 0.30 the base class also asks workers to compile/warm up here and reads
+        # compilation times back; there is nothing to compile.
         self.collective_rpc("initialize_from_config", args=(kv_cache_configs,))
+
+    def compile_or_warm_up_model(self) -> None:
+        # 0.30+: the engine core asks for it after initialize_from_config; nothing to compile,
+        # so no compilation times to propagate.
+        return None
 
     def collective_rpc(  # type: ignore[override]
         self, method, timeout=None, args=(), kwargs=None, non_block=False, single_value=False

@@ -182,9 +182,10 @@ class TrtllmAdpBalance(Policy):
     def _hold(self, schedulers: Sequence[Any]) -> bool:
         cap = schedulers[0].max_num_running_reqs
         num_gen = [len(s.running) for s in schedulers]
+        # Upstream's own waiting count: its queues differ between releases (0.31 dropped
+        # skipped_waiting, added kv_holding_waiting).
         has_ctx = [
-            bool(len(s.waiting) + len(s.skipped_waiting)) and len(s.running) < cap
-            for s in schedulers
+            bool(s.get_request_counts()[1]) and len(s.running) < cap for s in schedulers
         ]
         all_free = all(n < cap for n in num_gen)
         all_gen = all(n > 0 for n in num_gen)
