@@ -40,7 +40,7 @@ TINY = SimOptions(
 
 # sha256 of TINY's "policies" section (json.dumps(indent=1, sort_keys=True)) as the simulator
 # wrote it before shared_fraction and gather_ms existed (commit e13c59c); the same at vLLM
-# 0.24.0 and 0.25.0, compat and shim path.
+# 0.24.0, 0.25.0, 0.30.0 and 0.33.0, compat and shim path.
 PRE_SHARED_FRACTION_POLICIES_SHA256 = (
     "6f6042a84bf9fcce5287e771f029dcbacb828d3363d9379f0c6c73b48dcc5b8a"
 )

@@ -13,14 +13,22 @@ import pytest
 from tests.multiproc.events import Hang
 from tests.multiproc.harness import Cluster, main_thread_frames
 from tests.multiproc.invariants import check_trace
-from tests.multiproc.traces import drain_early, fixed_traces, late_wave_start
+from tests.multiproc.traces import (
+    DP_SIZES,
+    drain_early,
+    fixed_traces,
+    late_wave_start,
+    soak_traces,
+)
 from tests.multiproc.watchdog_log import WatchdogLine, assert_blocked_exactly, watchdog_lines
 from vllm_balance.config import GATHER_WARN_KEY
 
 pytestmark = pytest.mark.timeout(900)
 
-DP_SIZES = (2, 3, 4)
 FIXED = [trace for dp in DP_SIZES for trace in fixed_traces(dp)]
+# The soak's first random traces (seeds 0-5, two per DP size) on the same clusters: the soak
+# (`nox -s soak`, 201 traces) is on demand; this slice of it runs at every pin on every change.
+SOAK_CI_SLICE = soak_traces(6)
 # A negative control that has not hung after this long would have been flagged by now: a healthy
 # cluster emits a message every few milliseconds.
 CONTROL_STALL_SECONDS = 6.0
@@ -68,16 +76,24 @@ def gate_counts():
     return {}
 
 
-@pytest.mark.parametrize("trace", FIXED, ids=lambda t: t.name)
-def test_shipped_hook_completes_trace(pool, gate_counts, trace):
+def _run_pooled(pool: ClusterPool, trace):
     cluster = pool.get(trace.dp_size)
     try:
-        result = cluster.run_trace(trace)
+        return cluster.run_trace(trace)
     except BaseException:
         pool.discard(trace.dp_size)  # a hung or broken cluster must not poison later traces
         raise
-    summary = check_trace(result)
+
+
+@pytest.mark.parametrize("trace", FIXED, ids=lambda t: t.name)
+def test_shipped_hook_completes_trace(pool, gate_counts, trace):
+    summary = check_trace(_run_pooled(pool, trace))
     gate_counts[trace.name] = summary.frozen_steps
+
+
+@pytest.mark.parametrize("trace", SOAK_CI_SLICE, ids=lambda t: t.name)
+def test_shipped_hook_completes_soak_trace(pool, trace):
+    check_trace(_run_pooled(pool, trace))
 
 
 def test_fixed_traces_drive_the_gate_closed(gate_counts):

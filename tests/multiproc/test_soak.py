@@ -16,28 +16,27 @@ import pytest
 
 from tests.multiproc.harness import Cluster
 from tests.multiproc.invariants import check_trace
-from tests.multiproc.traces import random_trace
+from tests.multiproc.traces import DP_SIZES, soak_traces
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 TRACES = int(os.environ.get("VLLM_BALANCE_SOAK_TRACES", "201"))
 SEED = int(os.environ.get("VLLM_BALANCE_SOAK_SEED", "0"))
-DP_SIZES = (2, 3, 4)
 
 
 @pytest.mark.parametrize("dp", DP_SIZES)
 def test_soak_random_traces_complete(dp):
-    seeds = [SEED + i for i in range(TRACES) if i % len(DP_SIZES) == DP_SIZES.index(dp)]
+    traces = [trace for trace in soak_traces(TRACES, SEED) if trace.dp_size == dp]
     started = time.monotonic()
     frozen_steps = gathers = 0
     with Cluster(dp, mode="balance") as cluster:
-        for seed in seeds:
-            summary = check_trace(cluster.run_trace(random_trace(seed, dp)))
+        for trace in traces:
+            summary = check_trace(cluster.run_trace(trace))
             frozen_steps += summary.frozen_steps
             gathers += summary.gathers
     assert cluster.leftover_processes() == []
     print(
-        f"\nsoak dp={dp}: {len(seeds)} traces, 0 hangs, {gathers} gathers, "
+        f"\nsoak dp={dp}: {len(traces)} traces, 0 hangs, {gathers} gathers, "
         f"{frozen_steps} frozen-gate steps, {time.monotonic() - started:.1f} s"
     )
     assert frozen_steps > 0, "the random traces never drove the gate closed"

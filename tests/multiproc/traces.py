@@ -22,6 +22,8 @@ from tests.multiproc.events import (
 )
 
 CAP = 4
+# The DP sizes the fixed set and the soak spread their traces over.
+DP_SIZES = (2, 3, 4)
 
 
 def _ids(prefix: str):
@@ -160,3 +162,12 @@ def random_trace(seed: int, dp: int) -> Trace:
                 events.append(WaitTokens(request_id, 1))
                 events.append(Abort(rank, (request_id,)))
     return Trace(f"random-{seed}-dp{dp}", dp, events)
+
+
+def soak_traces(count: int, first_seed: int = 0) -> list[Trace]:
+    """``count`` random traces, seeds from ``first_seed``, spread evenly over ``DP_SIZES`` (seed
+    ``i`` runs at ``DP_SIZES[i % 3]``): the soak's set, and its first few the CI's slice of it."""
+    return [
+        random_trace(seed, DP_SIZES[(seed - first_seed) % len(DP_SIZES)])
+        for seed in range(first_seed, first_seed + count)
+    ]
