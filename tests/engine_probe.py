@@ -41,8 +41,9 @@ def _report(engine_core, vllm_config, report_path: str) -> None:
 
 def install_probe(report_path: str, load_general_plugins: bool = False) -> HandshakeProbe:
     """``load_general_plugins``: first do what ``EngineCore.__init__`` does first (vLLM 0.24.0 and
-    0.25.0 ``v1/engine/core.py`` L110, 0.30.0 L119, 0.33.0 L135), so that the report shows the names after a spawned
-    child's first plugin load (a fork child inherits the front end's and loads none)."""
+    0.25.0 ``v1/engine/core.py`` L110, 0.30.0 L119, 0.33.0 L135), so that the report shows the
+    names after a spawned child's first plugin load (a fork child inherits the front end's and
+    loads none)."""
     from vllm.v1.engine.core import EngineCoreProc
 
     def probe(self, handshake_address, identity, local_client, vllm_config, *args, **kwargs):

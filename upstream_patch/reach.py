@@ -77,7 +77,6 @@ from seam_patch import (  # noqa: E402
 )
 from support_matrix import EVIDENCE, FINGERPRINTS  # noqa: E402
 
-
 SEAM_TABLE = ROOT / "docs" / "seam-reach.md"
 WORK = Path.home() / ".cache" / "vllm-balance" / "reach"  # the unpacked wheels, while they run
 NEUTRALITY_TESTS = "tests/test_seam_neutrality.py"

@@ -102,7 +102,9 @@ class StandInWorker:
 
         return [layout.name for layout in get_supported_kv_cache_layouts(())]
 
-    def set_kv_cache_layout(self, layout_name: str, cp_kv_cache_interleave_size: Any = None) -> None:
+    def set_kv_cache_layout(
+        self, layout_name: str, cp_kv_cache_interleave_size: Any = None
+    ) -> None:
         # As WorkerBase does: record the layout on this process's config (0.33+ also sends the
         # context-parallel interleave size, which only a real model's KV cache would read).
         from vllm.v1.attention.backends.utils import record_kv_cache_layout

@@ -184,9 +184,7 @@ class TrtllmAdpBalance(Policy):
         num_gen = [len(s.running) for s in schedulers]
         # Upstream's own waiting count: its queues differ between releases (0.31 dropped
         # skipped_waiting, added kv_holding_waiting).
-        has_ctx = [
-            bool(s.get_request_counts()[1]) and len(s.running) < cap for s in schedulers
-        ]
+        has_ctx = [bool(s.get_request_counts()[1]) and len(s.running) < cap for s in schedulers]
         all_free = all(n < cap for n in num_gen)
         all_gen = all(n > 0 for n in num_gen)
         if all_free and all(has_ctx):
