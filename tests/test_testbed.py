@@ -9,8 +9,9 @@ import sys
 import factories
 import pytest
 from conftest import REQUIRE_NPU_ENV, ROOT, npu_missing_reason, session_pin_name
+from packaging.version import Version
 
-from pins import DISTRIBUTIONS, PIN_NAMES, PinError, read_pin
+from pins import DISTRIBUTIONS, PIN_NAMES, PinError, read_pin, read_vllm_ascend_pins
 
 
 def test_session_imports_the_vllm_its_pin_file_names():
@@ -29,6 +30,15 @@ def test_session_imports_the_vllm_its_pin_file_names():
 def test_pin_files_hold_one_exact_vllm_requirement(name):
     pin = read_pin(name)
     assert pin.requirement == f"{DISTRIBUTIONS[name]}=={pin.version}"
+
+
+def test_release_tag_is_the_vllm_the_newest_pinned_vllm_ascend_release_targets():
+    """pins/release-tag.txt: the release tag is what production on Ascend runs."""
+    newest = max(read_vllm_ascend_pins(), key=lambda pin: Version(pin.release))
+    assert read_pin("release-tag").version == newest.vllm, (
+        f"vllm-ascend {newest.release} (pins/vllm-ascend.txt) targets vLLM {newest.vllm}: "
+        "advance pins/release-tag.txt to it, or pin the vllm-ascend release that targets it"
+    )
 
 
 def test_e2e_pin_is_vllm_built_for_cpu_and_refuses_the_cuda_wheel(tmp_path):
