@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serve import POLICIES, PlannedRun, Workload, measure_server  # noqa: E402
+from benchmarks.serve import (  # noqa: E402
+    POLICIES,
+    PlannedRun,
+    Workload,
+    measure_server,
+    prepare_run,
+)
 from benchmarks.steps import markdown_table  # noqa: E402
 
 MAX_NUM_SEQS = 8
@@ -828,15 +833,9 @@ def main(argv: list[str] | None = None) -> int:
         "--no-report", action="store_true", help="measure only (a sweep run in parts)"
     )
     args = parser.parse_args(argv)
-    for name in ("policies", "control_policies"):
-        unknown = [p for p in getattr(args, name) if p not in POLICIES]
-        if unknown:
-            parser.error(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
     if set(args.devices) - set(DEVICES):
         parser.error(f"--devices: expected some of {', '.join(DEVICES)}")
-    args.out = args.out.resolve()  # the servers run in their own folders
-    args.out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    prepare_run(parser, args, args.policies + args.control_policies)
     if not args.report_only:
         measure_grid(args, args.out)
     if not args.no_report:

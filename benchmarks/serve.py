@@ -244,6 +244,17 @@ def measure(args, out: Path) -> None:
         path.write_text(json.dumps(runs, indent=1))
 
 
+def prepare_run(parser: argparse.ArgumentParser, args, policies: list[str]) -> None:
+    """The checks and set-up every server benchmark's command line shares: known policies, an
+    absolute output folder, and SIGTERM unwinding like an error so the running server stops."""
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        parser.error(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    args.out = args.out.resolve()  # the servers run in their own folders
+    args.out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", default=DEFAULT_POLICIES, type=lambda s: s.split(","))
@@ -256,13 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench-serve")
     parser.add_argument("--report-only", action="store_true", help="analyse --out as it is")
     args = parser.parse_args(argv)
-    unknown = [p for p in args.policies if p not in POLICIES]
-    if unknown:
-        parser.error(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
-    args.out = args.out.resolve()  # the servers run in their own folders
-    args.out.mkdir(parents=True, exist_ok=True)
-    # SIGTERM unwinds like an error, so the running server is stopped on the way out.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    prepare_run(parser, args, args.policies)
     if not args.report_only:
         measure(args, args.out)
     from benchmarks.serve_report import report
