@@ -33,7 +33,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_balance.config import ALL_GATHER, balance_enabled, balance_options
+from vllm_balance.config import ALL_GATHER, options_for
 from vllm_balance.shim import collective
 from vllm_balance.shim.metrics import BalanceMetrics
 from vllm_balance.shim.stats import BalanceStats, PeriodicLog
@@ -65,13 +65,13 @@ class BalanceSchedulerMixin:
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)  # type: ignore[call-arg]
-        self._balance_enabled = balance_enabled(vllm_config)
+        options = options_for(vllm_config)  # None: balance off
+        self._balance_enabled = options is not None
         # Injected by BalanceDPEngineCoreProc: the gloo DP group exists before the scheduler.
         self.dp_group: Any = None
         self.admission_frozen = False
-        if self._balance_enabled:
+        if options is not None:
             parallel_config = vllm_config.parallel_config
-            options = balance_options(vllm_config)
             # balance_queue holds [1]-shaped views of one int32 buffer: the gather writes every
             # rank's count into the buffer, so the gate reads them all with one reduction. The
             # log-depth reduction writes one entry, the largest count.
