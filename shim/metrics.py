@@ -34,7 +34,7 @@ from typing import Any
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm.v1.metrics.stats import SchedulerStats
 
-from vllm_balance.config import DEFAULT_LOG_INTERVAL_S, read_options
+from vllm_balance.config import DEFAULT_LOG_INTERVAL_S, ENABLE_KEY, read_options
 from vllm_balance.log import logger
 from vllm_balance.shim.stats import BalanceStats
 
@@ -201,10 +201,10 @@ class BalanceStatLogger(AggregateStatLoggerBase):
                     "engine %d has sent vLLM's stats for %.0f s but no balance counters: its "
                     "vllm:balance_* metrics stay absent. Check that node: "
                     "vllm-balance-scheduling installed, the same --additional-config "
-                    "(enable_balance_scheduling) as this API server, and its plugin loaded "
-                    "(VLLM_PLUGINS)",
+                    "(%s) as this API server, and its plugin loaded (VLLM_PLUGINS)",
                     engine,
                     now - since,
+                    ENABLE_KEY,
                 )
 
     def log_engine_initialized(self) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from vllm_balance import registry
 from vllm_balance.config import (
+    ENABLE_KEY,
     TAKE_OVER_ENV_VAR,
     TAKE_OVER_KEY,
     BalanceOptions,
@@ -95,7 +96,7 @@ def balance_applies(vllm_config: Any) -> tuple[BalanceOptions, list[str]] | None
     if role in ("kv_producer", "kv_consumer"):
         raise BalanceConfigError(
             "balance scheduling supports PD-mixed mode only; kv_transfer_config.kv_role="
-            f"{role!r} (PD-disaggregated) cannot enable enable_balance_scheduling"
+            f"{role!r} (PD-disaggregated) cannot enable {ENABLE_KEY}"
         )
     options = balance_options(vllm_config)
     if foreign and not options.take_over_vllm_ascend:

@@ -72,7 +72,6 @@ SHARED_SPREAD = 0.25
 # fluctuating (metrics.queue_growth: steady runs stay within +-0.02, off at 1.2x grows 0.17-0.25).
 QUEUE_GROWTH = 0.05
 
-ENABLE_CONFIG = '{"enable_balance_scheduling": true}'
 HOLD_CAVEAT = (
     "Simulated only: the one real measurement (docs/results.md, bench-serve: a DP=2 CPU server, "
     "4 rates) measured bounded-hold:8 below plain on at every rate."
@@ -273,7 +272,8 @@ def headline(e: Evidence) -> tuple[Category, list[str]]:
         return DEPENDS, lines
     category = OF_VERDICT[decision]
     first = {
-        HELPS: f"Recommendation: ENABLE balance scheduling (additional_config {ENABLE_CONFIG}).",
+        HELPS: "Recommendation: ENABLE balance scheduling "
+        f"(additional_config {operator_config()}).",
         HURTS: "Recommendation: DO NOT ENABLE balance scheduling.",
         MIXED: "Recommendation: TRADE-OFF. Enable balance scheduling only if what it makes "
         "better matters more to you than what it makes worse.",
@@ -357,11 +357,20 @@ def basis(e: Evidence) -> list[str]:
     return ["What this rests on:"] + [f"  - {line}" for line in lines]
 
 
+def operator_config(options: dict | None = None) -> str:
+    """The ``additional_config`` JSON an operator passes to enable balance (and ``options``)."""
+    from vllm_balance.config import ENABLE_KEY  # at call time: the CLI imports no vLLM before
+
+    return json.dumps({ENABLE_KEY: True, **(options or {})})
+
+
 def hold_lines(e: Evidence, decision: str) -> list[str]:
     """The bounded hold, labelled simulated only: what to add to (or use instead of) the gate."""
+    from vllm_balance.config import MAX_FROZEN_STEPS_KEY
+
     steps = int(e.hold.split(":")[1])
-    key = f"balance_max_frozen_steps: {steps}"
-    config = json.dumps({"enable_balance_scheduling": True, "balance_max_frozen_steps": steps})
+    key = f"{MAX_FROZEN_STEPS_KEY}: {steps}"
+    config = operator_config({MAX_FROZEN_STEPS_KEY: steps})
     if decision in (HELPS, MIXED):
         extra = judge(e.hold_vs_on)
         if extra == HELPS:
