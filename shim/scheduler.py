@@ -44,9 +44,10 @@ class BalanceSchedulerMixin:
     """Balance state and gate; mixed in front of ``Scheduler`` or ``AsyncScheduler``.
 
     ``balance_queue`` is the public state the gate reads: the engine core's gather writes it,
-    and tests and tools may set it directly. The gate value is therefore derived from it when
-    ``schedule()`` starts (once per step: it cannot change during one ``schedule()``), not when
-    the gather runs, and not once per WAITING-loop iteration.
+    and tests and tools may set it directly (``set_gathered()`` writes the gather's buffer, as
+    the simulator does; a list put there is read as it is). The gate value is therefore derived
+    from it when ``schedule()`` starts (once per step: it cannot change during one
+    ``schedule()``), not when the gather runs, and not once per WAITING-loop iteration.
 
     The opt-in bounded hold (``balance_max_frozen_steps``) counts frozen steps where every rank
     sees the same data, in ``observe_gathered()`` after each gather: a drained rank never enters
@@ -121,12 +122,17 @@ class BalanceSchedulerMixin:
                 dist.all_gather(self.balance_queue, running_count, group=self.dp_group)
             else:
                 reduced = collective.reduce_running(len(self.running), self.dp_group)
-                # Into the buffer, which the gate reads again if a test or tool replaced it.
-                self.balance_queue = [self._gathered_views[0].fill_(reduced.maximum)]
+                self.set_gathered([reduced.maximum])
         finally:
             watchdog.started = None
         self.balance_stats.gather_seconds += time.monotonic() - started
         self.observe_gathered(reduced)
+
+    def set_gathered(self, counts: list[int] | torch.Tensor) -> None:
+        """Put what a gather delivers (every rank's count; the log-depth reduction's largest
+        count alone) where the gate reads it: the buffer, whose views ``balance_queue`` holds."""
+        self._gathered.copy_(torch.as_tensor(counts, dtype=torch.int32))
+        self.balance_queue = list(self._gathered_views)
 
     def observe_gathered(self, reduced: collective.Reduced | None = None) -> None:
         """Account for a freshly gathered ``balance_queue`` (called by the gather and the sim).
@@ -134,8 +140,7 @@ class BalanceSchedulerMixin:
         ``reduced``: the log-depth reduction's result, where no per-rank counts exist.
         """
         if reduced is None:
-            counts = self.gathered_vector().tolist()
-            self.balance_stats.record_gather(counts)
+            self.balance_stats.record_gather(self.gathered_vector().tolist())
         else:
             self.balance_stats.record_reduced(*reduced, self._dp_size)
         if self._max_frozen_steps is not None:
@@ -148,10 +153,10 @@ class BalanceSchedulerMixin:
     def gathered_vector(self) -> torch.Tensor:
         """``balance_queue`` as one tensor.
 
-        The gather's buffer while ``balance_queue`` still holds the views the constructor made
-        (the gather writes into them in place), else the concatenation of whatever a test or tool
-        put there. The buffer costs nothing at any DP; concatenating costs ~1,300 instructions per
-        rank, 1% of an admission-heavy ``schedule()`` at DP=256.
+        The gather's buffer while ``balance_queue`` still holds its views (the all_gather and
+        ``set_gathered()`` write into them in place), else the concatenation of whatever a test
+        or tool put there. The buffer costs nothing at any DP; concatenating costs ~1,300
+        instructions per rank, 1% of an admission-heavy ``schedule()`` at DP=256.
         """
         queue, views = self.balance_queue, self._gathered_views
         if len(queue) == len(views) and all(map(operator.is_, queue, views)):
