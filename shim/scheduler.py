@@ -100,14 +100,9 @@ class BalanceSchedulerMixin:
     def balance_gather(self) -> None:
         """All-gather ``len(self.running)`` into ``balance_queue``; no-op when disabled/no group.
 
-        A blocked gather looks healthy from outside. The all_gather returns on no rank until
-        every rank has entered it, and gloo fails it only after 30 min (PyTorch's default): a
-        peer that never arrives (a misplaced gather, lesson A; a stuck device kernel; a paused
-        process) leaves the other ranks waiting here silently. On a real vLLM server with lesson
-        A's misplacement, ``/health`` kept answering 200 and the only log line was vLLM's "No
-        available shared memory broadcast block found in 60 seconds". Hence the watchdog
-        (``vllm_balance.shim.watchdog``): its only cost here is the timestamp written before the
-        all_gather and cleared after it.
+        A gather a peer never enters blocks silently (gloo fails it after 30 min) while the
+        server looks healthy; the watchdog reports it, and costs the gather only the timestamp
+        written around the all_gather (docs/operations.md, "A blocked gather").
         """
         if not self._balance_enabled or self.dp_group is None:
             return
