@@ -46,12 +46,11 @@ def dp_config(moe=True, dp=2, additional_config=ENABLED, **kwargs):
 # Registry and plugin
 
 
-def test_every_patch_is_documented_and_reversible():
+def test_every_patch_is_reversible():
     # From vLLM's own names: an earlier test in this process may have loaded the plugins, which
     # installs the run_engine_core wrapper (install() on an installed patch is a no-op).
     registry.uninstall_all()
     for patch in registry.ALL_PATCHES:
-        assert all([patch.why, patch.how, patch.related_pr, patch.future_plan]), patch.name
         before = patch.current()
         patch.install()
         assert patch.is_installed() and patch.current() is not before

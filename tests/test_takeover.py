@@ -338,11 +338,6 @@ def test_opt_in_without_vllm_ascend_warns_that_there_is_nothing_to_take_over(cap
     assert f"{expected} is not active" in caplog.text
 
 
-def test_every_take_over_patch_is_documented():
-    for patch in registry.TAKE_OVER_PATCHES:
-        assert all([patch.why, patch.how, patch.related_pr, patch.future_plan]), patch.name
-
-
 # The full launcher: front end, DP coordinator and engine processes of vLLM's own
 
 
