@@ -19,9 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = sorted(
-    [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("upstream_patch/**/README.md")]
-)
+DOCS = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("upstream_patch/**/*.md")])
 SESSION = re.compile(r"\bnox -s ([a-z0-9][\w-]*)")
 SCRIPT = re.compile(r"\bpython3? ([\w./-]+\.py)\b")
 # Only our own modules and console scripts: vLLM's and pip's are theirs to keep working.
