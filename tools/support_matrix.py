@@ -3,7 +3,7 @@
 
 Which path runs on a vLLM release, and what backs it, follows from four places: the pin files
 (pins/*.txt, what CI runs), the seam series (upstream_patch/v<release>/, and which one serves each
-release as reach recorded it), the verified fingerprints
+release and how its patch fared, as reach recorded it), the verified fingerprints
 the compat path accepts at run time (compat/fingerprints.json) and the per-release runs of
 ``nox -s reach`` (docs/reach-evidence.json). Generating the tables from them means they cannot
 drift: ``tests/test_repo_hygiene.py`` runs ``--check`` in every test session. Only the document's
@@ -76,6 +76,26 @@ def _path_row(release: str, path: str, run: dict | None, pins: list[str], usable
     )
 
 
+def _seam_rows(evidence: dict) -> list[str]:
+    """The seam series per release, as ``nox -s reach`` recorded it."""
+    lines = [
+        "| release | applies | neutral | patch size | called after the slot check | date |",
+        "|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for release in sorted(evidence, key=Version):
+        seam = evidence[release].get("seam")
+        if seam is None:
+            continue
+        size = f"{seam['scheduler_diff']}; test +{seam['test_lines']}" if seam["series"] else ""
+        lines.append(
+            f"| {release} | {seam['applies']} | {seam['neutral']} | {size} | "
+            f"{seam['condition']} | {seam['date']} |"
+        )
+        notes += [f"- {release}: {n}" for n in seam["notes"]]
+    return lines + (["", "Notes:", "", *notes] if notes else [])
+
+
 def render(today: str) -> str:
     pinned: dict[str | None, list[str]] = {}
     for name in PIN_NAMES:
@@ -132,6 +152,7 @@ def render(today: str) -> str:
                 *costs,
             ],
             "cpu-builds": cpu or ["- none checked yet."],
+            "seam-reach": _seam_rows(evidence),
             "metrics": [
                 f"- {release} ({', '.join(pins)})" for release, pins in pinned.items() if release
             ],
