@@ -11,14 +11,10 @@ With the opt-in ``balance_collective: "recursive_doubling"`` the gather is a log
 (``vllm_balance.shim.collective``) at the same place, and ``balance_queue`` holds one entry, the
 largest count: all the gate reads, so the decision is the same.
 
-NOTE(contract 1): the comparison is ``==`` against the configured cap: "a leader at the cap
-freezes everyone". The cap is the limit at which upstream's own WAITING loop stops admitting:
-``max_num_active_reqs`` where the installed vLLM has that separate admission limit (0.31+, set by
-``max_num_active_seqs``, default ``max_num_seqs``), else ``max_num_running_reqs``; a gate compared
-with ``max_num_running_reqs`` there would never trip once ``max_num_active_seqs < max_num_seqs``
-(docs/design.md, "The cap"). It is not ``>= cap - 1`` (shipped once in vllm-ascend and reverted
-for a TTFT regression on DeepSeek-V3.1 W4A8) and not "let laggards catch up to the leader"
-(temporarily lowering the cap to ``max(balance_queue)``), which is a different policy.
+NOTE(contract 1): ``==`` against the limit at which upstream's own WAITING loop stops admitting
+(``max_num_active_reqs`` on 0.31+, else ``max_num_running_reqs``); not ``>= cap - 1`` (shipped
+once in vllm-ascend, reverted for a TTFT regression), not "catch up to the leader"
+(docs/design.md, "The behaviour contract" and "The cap").
 """
 
 from __future__ import annotations
