@@ -89,7 +89,7 @@ def hang_on_wave_starts(server_runs, variant: str) -> ControlHang:
     nothing to run: the lesson A placement hangs there because the idle rank never enters
     ``schedule()``, lesson B's because it reaches the gather before its dummy forward. (The
     48-request burst hangs lesson A only when one rank happens to start with nothing: 1 of 3
-    runs did not, 2026-11-30; it did not hang lesson B in 1 run. See docs/e2e.md.)
+    runs did not, 2026-11-30; it did not hang lesson B in 1 run. See docs/testing.md.)
     """
     server = control_server(server_runs, variant.replace("_", "-"), variant)
     completed: list = []
