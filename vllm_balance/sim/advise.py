@@ -29,8 +29,8 @@ Every answer states what it rests on (:func:`basis`): how often the gate froze (
 difference is the gather's own cost alone, and it says so), whether ``off``'s or ``on``'s queue
 grew over the run (then their TTFT numbers grow with the run's length, and are labelled so),
 the verdict at each step-model variant, and the metrics the seeds did not settle. The bounded
-hold's advice is labelled simulated only: the one real measurement (docs/results.md,
-bench-serve, a DP=2 CPU server) measured it below plain ``on`` at every rate.
+hold's advice is labelled simulated only: both real measurements (docs/results.md: bench-serve,
+a DP=2 CPU server; the emulated device at DP=4/8) measured it below plain ``on``.
 """
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ SHARED_SPREAD = 0.25
 QUEUE_GROWTH = 0.05
 
 HOLD_CAVEAT = (
-    "Simulated only: the one real measurement (docs/results.md, bench-serve: a DP=2 CPU server, "
-    "4 rates) measured bounded-hold:8 below plain on at every rate."
+    "Simulated only: both real measurements (docs/results.md: bench-serve, a DP=2 CPU server at "
+    "4 rates; the emulated device at DP=4/8 from the knee up) measured bounded-hold:8 below "
+    "plain on."
 )
 MEASURE = {
     "gather_ms": "the gather's time per step with balance on, on /metrics: "
