@@ -109,9 +109,17 @@ for _name, (_pin, _seam) in TEST_SESSIONS.items():
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """pre-commit: ruff check, ruff format --check, mypy (shim/, compat/), docs links."""
+    """pre-commit (ruff check, ruff format --check, mypy on shim/ and compat/, docs links), then
+    the docs' commands (every session exists, every script answers --help) and the support matrix
+    is current: once per CI run, the docs being the same text in every test session."""
     session.install("pre-commit==4.7.0")
     session.run("pre-commit", "run", "--all-files", "--show-diff-on-failure")
+    # What the scripts the docs name import at start-up, at the test sessions' versions: torch
+    # (the benchmarks), packaging, and this package (not vLLM: every script imports it later).
+    session.install("-c", "requirements/test-cpu.txt", "--no-deps", "torch", "typing_extensions")
+    session.install("-c", "requirements/test-cpu.txt", "--no-deps", "packaging", "-e", ".")
+    session.run("python", "tools/check_doc_commands.py", "--nox", sys.executable)
+    session.run("python", "tools/support_matrix.py", "--check")
 
 
 @nox.session
@@ -305,7 +313,7 @@ def e2e(session: nox.Session) -> None:
 
 @nox.session(name="e2e-controls")
 def e2e_controls(session: nox.Session) -> None:
-    """The real server's negative controls (lessons A and B) and SIGKILL faults (slow)."""
+    """Lesson A's negative control on the real server: a silent hang, /health 200 (slow)."""
     install_e2e(session)
     run_pytest(session, "slow and not multinode", e2e_basetemp(session), "tests/e2e")
 

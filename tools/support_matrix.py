@@ -6,7 +6,7 @@ Which path runs on a vLLM release, and what backs it, follows from four places: 
 release and how its patch fared, as reach recorded it), the verified fingerprints
 the compat path accepts at run time (compat/fingerprints.json) and the per-release runs of
 ``nox -s reach`` (docs/reach-evidence.json). Generating the tables from them means they cannot
-drift: ``tests/test_repo_hygiene.py`` runs ``--check`` in every test session. Only the document's
+drift: the lint session runs ``--check`` (noxfile.py). Only the document's
 generated blocks are written (``fill``); its prose is edited in the document. A cell says "verified"
 only when the reach run of that release and path passed (or, for a pin, CI runs it).
 
