@@ -342,12 +342,12 @@ def test_opt_in_without_vllm_ascend_warns_that_there_is_nothing_to_take_over(cap
 
 
 def run_front_end(root, order: str, options: dict, method: str) -> dict:
-    """``tests/multiproc/entrypoint.py`` in a fresh interpreter, with the release in ``order``."""
+    """``tests/multiproc/entrypoint.py`` in a fresh interpreter, with the release in ``order``
+    (``-c`` from the repository root: ``tests`` imports as a package)."""
     code = textwrap.dedent(
         f"""
         import runpy, sys
         from pathlib import Path
-        sys.path.insert(0, {ROOT!r})
         from tests.vllm_ascend_standin import put_on_path
         put_on_path({order!r}, Path({str(root)!r}))
         sys.argv = ["entrypoint", "2", {json.dumps(options)!r}]

@@ -23,13 +23,11 @@ import sys
 from pathlib import Path
 
 from packaging.version import Version
+from seam_patch import all_series, serving_series
+
+from pins import PIN_NAMES, read_pin
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "upstream_patch"))
-from seam_patch import all_series, serving_series  # noqa: E402
-
-from pins import PIN_NAMES, read_pin  # noqa: E402
 
 DOC = ROOT / "docs" / "support-matrix.md"
 EVIDENCE = ROOT / "docs" / "reach-evidence.json"

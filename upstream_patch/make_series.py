@@ -50,9 +50,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from packaging.version import Version
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from seam_patch import (  # noqa: E402
+from seam_patch import (
     PATCH_ROOT,
     SCHEDULER_PATH,
     SEAM_METHOD,
@@ -69,7 +67,7 @@ from seam_patch import (  # noqa: E402
     serving_series,
 )
 
-from vllm_balance.slot_check import slot_checks  # noqa: E402
+from vllm_balance.slot_check import slot_checks
 
 PATCH_NAME = "seam.patch"
 # The sentence of the authored message that a release's note follows.

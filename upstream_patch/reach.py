@@ -46,19 +46,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import support_matrix
+from apply import apply_installed
+from junit import junit_outcomes, tally
+from make_series import SeamError, check_series
 from packaging.version import Version
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "tests"))
-import support_matrix  # noqa: E402
-from apply import apply_installed  # noqa: E402
-from junit import junit_outcomes, tally  # noqa: E402
-from make_series import SeamError, check_series  # noqa: E402
-from run_vllm_tests import pytest_child  # noqa: E402
-from seam_patch import (  # noqa: E402
+from run_vllm_tests import pytest_child
+from seam_patch import (
     CACHE,
     SCHEDULER_PATH,
     SEAM_METHOD,
@@ -74,7 +68,10 @@ from seam_patch import (  # noqa: E402
     wheel_for,
     wheel_scheduler_source,
 )
-from support_matrix import EVIDENCE, FINGERPRINTS  # noqa: E402
+from support_matrix import EVIDENCE, FINGERPRINTS
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 
 WORK = Path.home() / ".cache" / "vllm-balance" / "reach"  # the unpacked wheels, while they run
 NEUTRALITY_TESTS = "tests/test_seam_neutrality.py"

@@ -25,12 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from junit import junit_outcomes
+from mutants import MUTANTS
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-from junit import junit_outcomes  # noqa: E402
-from mutants import MUTANTS  # noqa: E402
 
 DOC = ROOT / "docs" / "testing.md"
 SUITE = ["tests/test_differential.py", "tests/test_gate_oracle.py", "tests/test_contract.py"]
