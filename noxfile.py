@@ -132,8 +132,11 @@ def lint(session: nox.Session) -> None:
     session.install("pre-commit==4.7.0")
     session.run("pre-commit", "run", "--all-files", "--show-diff-on-failure")
     # What the scripts the docs name import at start-up, at the test sessions' versions: torch
-    # (the benchmarks), packaging, and this package (not vLLM: every script imports it later).
-    session.install("-c", "requirements/test-cpu.txt", "--no-deps", "torch", "typing_extensions")
+    # and numpy (the benchmarks, the simulator), packaging, and this package (not vLLM: no script
+    # imports it before parsing its arguments).
+    session.install(
+        "-c", "requirements/test-cpu.txt", "--no-deps", "torch", "typing_extensions", "numpy"
+    )
     session.install("-c", "requirements/test-cpu.txt", "--no-deps", "packaging", "-e", ".")
     support_paths(session)
     session.run("python", "tools/check_doc_commands.py", "--nox", sys.executable)
