@@ -19,7 +19,13 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "tools"))
+# The repository's script folders, importable by module name: tests/ (factories, junit), tools/
+# (pins), upstream_patch/ (seam_patch) and the root (the tests.e2e and benchmarks packages). Here
+# for the nox process itself; in every venv nox builds through a .pth (support_paths).
+SUPPORT_PATHS = [ROOT / "tests", ROOT / "tools", ROOT / "upstream_patch", ROOT]
+sys.path.extend(str(path) for path in SUPPORT_PATHS)
+from seam_patch import fetch_sdist, shadowing, unpacked_release  # noqa: E402
+
 from pins import PIN_NAMES, PinError, read_pin, read_vllm_ascend_pins  # noqa: E402
 
 nox.options.sessions = [
@@ -32,6 +38,16 @@ nox.options.sessions = [
     "package",
 ]
 nox.options.error_on_missing_interpreters = True
+
+
+def support_paths(session: nox.Session, paths: list[Path] = SUPPORT_PATHS) -> None:
+    """Put ``paths`` on the venv's sys.path (a .pth file, after site-packages): a script the docs
+    name runs as ``python X.py`` with this venv's python and imports its neighbours' modules, with
+    no sys.path edits of its own (a script's own folder is on the path already)."""
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = session.run("python", "-c", code, silent=True, log=False)
+    pth = Path(str(purelib).strip().splitlines()[-1]) / "vllm_balance_repo.pth"
+    pth.write_text("".join(f"{path}\n" for path in paths))
 
 
 def install_pin(session: nox.Session, pin_name: str):
@@ -70,6 +86,7 @@ def install_pinned_vllm(session: nox.Session, pin_name: str, seam: bool = False)
         # A pinned vllm-ascend release targets this vLLM: its take-over tests run here.
         session.install("-r", "requirements/vllm-ascend.txt")
     session.install("--no-deps", "-e", ".")
+    support_paths(session)
     if seam:  # upstream_patch/'s seam, applied to this venv's vLLM
         session.run("python", "upstream_patch/apply.py", "installed")
     session.env["VLLM_BALANCE_SEAM"] = "1" if seam else "0"
@@ -109,9 +126,21 @@ for _name, (_pin, _seam) in TEST_SESSIONS.items():
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """pre-commit: ruff check, ruff format --check, mypy (shim/, compat/), docs links."""
+    """pre-commit (ruff check, ruff format --check, mypy on shim/ and compat/, docs links), then
+    the docs' commands (every session exists, every script answers --help) and the support matrix
+    is current: once per CI run, the docs being the same text in every test session."""
     session.install("pre-commit==4.7.0")
     session.run("pre-commit", "run", "--all-files", "--show-diff-on-failure")
+    # What the scripts the docs name import at start-up, at the test sessions' versions: torch
+    # and numpy (the benchmarks, the simulator), packaging, and this package (not vLLM: no script
+    # imports it before parsing its arguments).
+    session.install(
+        "-c", "requirements/test-cpu.txt", "--no-deps", "torch", "typing_extensions", "numpy"
+    )
+    session.install("-c", "requirements/test-cpu.txt", "--no-deps", "packaging", "-e", ".")
+    support_paths(session)
+    session.run("python", "tools/check_doc_commands.py", "--nox", sys.executable)
+    session.run("python", "tools/support_matrix.py", "--check")
 
 
 @nox.session
@@ -149,7 +178,7 @@ nox.session(name="bench-seam")(
 
 @nox.session
 def mutation(session: nox.Session) -> None:
-    """Deliberately wrong variants that the suite must kill (kill table: docs/mutation.md)."""
+    """Deliberately wrong variants that the suite must kill (kill tables: docs/testing.md)."""
     install_pinned_vllm(session, "release-tag")
     session.run("python", "tests/mutation/run.py", *session.posargs)
 
@@ -191,16 +220,13 @@ def takeover(session: nox.Session) -> None:
     """Take-over and the vllm-ascend series against vllm-ascend's own released source: each
     release in pins/vllm-ascend.txt on the vLLM it targets (pytest arguments after --); then
     vLLM's own test_scheduler.py on upstream's, this package's and that release's own
-    BalanceScheduler (run_vllm_tests.py --balance --vllm-ascend; docs/vllm-ascend-pr.md).
+    BalanceScheduler (run_vllm_tests.py --balance --vllm-ascend; upstream_patch/vllm-ascend/PR.md).
 
     The release-tag venv; the target release's wheel shadows its vLLM (as in `nox -s reach`). A
     test session whose pinned vLLM is such a target runs the same tests by itself.
     """
     install_pinned_vllm(session, "release-tag")
     session.install("-r", "requirements/vllm-ascend.txt")
-    sys.path.insert(0, str(ROOT / "upstream_patch"))
-    from seam_patch import shadowing, unpacked_release
-
     for pin in read_vllm_ascend_pins():
         session.log(f"vllm-ascend {pin.release} on vLLM {pin.vllm}")
         _, tree = unpacked_release(pin.vllm)
@@ -234,9 +260,8 @@ def package(session: nox.Session) -> None:
     install_pin(session, "release-tag")
     [wheel] = [p for p in built if p.endswith(".whl")]
     session.install("--no-deps", wheel)
-    sys.path.insert(0, str(ROOT / "upstream_patch"))
-    from seam_patch import fetch_sdist
-
+    # tests/factories.py only: the root would put the checkout's vllm_balance/ on the path.
+    support_paths(session, [ROOT / "tests"])
     sdists = [str(fetch_sdist(pin.release, "vllm-ascend")) for pin in read_vllm_ascend_pins()]
     # From a folder outside the checkout: the installed wheel is imported, not the source tree.
     session.chdir(session.create_tmp())
@@ -288,6 +313,7 @@ def install_e2e(session: nox.Session) -> None:
     session.install("-r", "requirements/test-tools.txt")
     install_pin(session, "e2e")
     session.install("--no-deps", "-e", ".", "-e", "tests/e2e/vllm_plugins")
+    support_paths(session)
     session.run("python", "upstream_patch/apply.py", "installed", "--revert")
 
 
@@ -305,7 +331,7 @@ def e2e(session: nox.Session) -> None:
 
 @nox.session(name="e2e-controls")
 def e2e_controls(session: nox.Session) -> None:
-    """The real server's negative controls (lessons A and B) and SIGKILL faults (slow)."""
+    """Lesson A's negative control on the real server: a silent hang, /health 200 (slow)."""
     install_e2e(session)
     run_pytest(session, "slow and not multinode", e2e_basetemp(session), "tests/e2e")
 

@@ -38,17 +38,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.serve import (  # noqa: E402
+from benchmarks.serve import (
     POLICIES,
     PlannedRun,
     Workload,
     measure_server,
     prepare_run,
 )
-from benchmarks.steps import markdown_table  # noqa: E402
+from benchmarks.steps import markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MAX_NUM_SEQS = 8
 MAX_NUM_BATCHED_TOKENS = 2048

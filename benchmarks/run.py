@@ -297,7 +297,6 @@ def bench_seam(reps: int) -> dict:
     import inspect
     import timeit
 
-    sys.path.insert(0, str(ROOT / "upstream_patch"))
     import seam_differential
     from factories import make_request, make_scheduler, make_vllm_config, request_specs
     from seam_patch import SEAM_METHOD, load_scheduler_module, split_at_seam_method

@@ -21,10 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tests.e2e.runs import BALANCE_ON, MODEL_DTYPE, last_stats_per_rank
 
-from tests.e2e.runs import BALANCE_ON, MODEL_DTYPE, last_stats_per_rank  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # Widened so that a typical prompt's prefill costs several decode steps, as on real hardware
 # (the tests' model, hidden 128 and 2 layers, is all per-step overhead). Measured ratio:

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-# The test support the benchmarks drive (tests/factories.py), for run.py and instructions.py alike.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 CAP = 256
 # The measured variants of one step: upstream's ``Scheduler``; the balance class, gate open/frozen.

@@ -23,7 +23,8 @@ The WAITING loop is found by what makes it the WAITING loop in every release, no
 header (which names ``skipped_waiting`` up to 0.30 and became ``while token_budget > 0`` in 0.31):
 the one ``while`` loop of ``schedule()`` whose body stops on the request-slot limit, an
 ``if ...self.max_num_*_reqs...: break`` (``max_num_running_reqs`` up to 0.30,
-``max_num_active_reqs`` from 0.31). That is the same statement upstream_patch/'s seam extracts.
+``max_num_active_reqs`` from 0.31). upstream_patch/'s seam series finds it with the same code
+(``vllm_balance.slot_check``).
 
 Lesson (the old vllm-ascend patch): a pasted copy of ``schedule()`` goes stale silently
 (``WAITING_FOR_FSM``, the 3-tuple ``get_computed_blocks``, ``skipped_waiting``...), and even a
@@ -62,7 +63,6 @@ import inspect
 import json
 import linecache
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +71,7 @@ from types import ModuleType
 from packaging.version import InvalidVersion, Version
 
 from vllm_balance.log import logger
+from vllm_balance.slot_check import slot_checks
 
 ALLOW_UNVERIFIED_ENV = "VLLM_BALANCE_ALLOW_UNVERIFIED_SCHEDULE"
 REACH_COMMAND = "nox -s reach -- --versions {release}"
@@ -81,7 +82,6 @@ SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 # Anchors, as code (compared as ASTs, so upstream's formatting is free to change).
 SIGNATURE_PARAMS = ("self", "throttle_prefills")
 WAITING_LOOP = "while ...: if <...self.max_num_*_reqs...>: break"
-SLOT_LIMIT = re.compile(r"max_num_\w+_reqs")
 QUEUE_SELECTION = "request_queue = self._select_waiting_queue_for_scheduling()"
 QUEUE_ASSERT = "assert request_queue is not None"
 CAPACITY_GUARD = "if <...>: self.prefill_capacity_bound = ... (after the WAITING loop)"
@@ -270,30 +270,9 @@ def _check_signature(fn: ast.FunctionDef, vllm_version: str) -> None:
         raise _anchor_error(expected, f"is schedule({', '.join(params)})", vllm_version)
 
 
-def is_slot_check(stmt: ast.stmt) -> bool:
-    """``if <test reading self.max_num_*_reqs>: break``: the stop on the request-slot limit."""
-    return (
-        isinstance(stmt, ast.If)
-        and not stmt.orelse
-        and len(stmt.body) == 1
-        and isinstance(stmt.body[0], ast.Break)
-        and any(
-            isinstance(node, ast.Attribute)
-            and isinstance(node.value, ast.Name)
-            and node.value.id == "self"
-            and SLOT_LIMIT.fullmatch(node.attr) is not None
-            for node in ast.walk(stmt.test)
-        )
-    )
-
-
 def waiting_loop(fn: ast.FunctionDef, vllm_version: str) -> ast.While:
     """The ``while`` loop whose own body stops on the request-slot limit (exactly one)."""
-    loops = [
-        n
-        for n in ast.walk(fn)
-        if isinstance(n, ast.While) and any(is_slot_check(stmt) for stmt in n.body)
-    ]
+    loops = list(dict.fromkeys(loop for loop, _ in slot_checks(fn)))
     return _exactly_one(WAITING_LOOP, loops, vllm_version)
 
 
@@ -411,7 +390,7 @@ def derive_source(module_source: str, vllm_version: str, origin: str = "") -> De
     _check_signature(fn, vllm_version)
     loop = waiting_loop(fn, vllm_version)
     slot_check = _exactly_one(
-        WAITING_LOOP, [s for s in loop.body if is_slot_check(s)], vllm_version
+        WAITING_LOOP, [check for at, check in slot_checks(fn) if at is loop], vllm_version
     )
     queue_assert = _queue_assert(fn, loop, vllm_version)
     guard = _capacity_guard(fn, loop, vllm_version)

@@ -34,7 +34,7 @@ from typing import Any
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm.v1.metrics.stats import SchedulerStats
 
-from vllm_balance.config import DEFAULT_LOG_INTERVAL_S, balance_enabled, balance_options
+from vllm_balance.config import DEFAULT_LOG_INTERVAL_S, ENABLE_KEY, read_options
 from vllm_balance.log import logger
 from vllm_balance.shim.stats import BalanceStats
 
@@ -150,8 +150,9 @@ class BalanceStatLogger(AggregateStatLoggerBase):
     def __init__(self, vllm_config: Any, engine_indexes: list[int]) -> None:
         self.model_name = vllm_config.model_config.served_model_name
         self.engine_indexes = list(engine_indexes)
-        self.expected = balance_enabled(vllm_config)
-        interval_s = balance_options(vllm_config).log_interval_s if self.expected else None
+        options = read_options(vllm_config)
+        self.expected = options is not None
+        interval_s = options.log_interval_s if options is not None else None
         self.silent_after_s = SILENT_INTERVALS * (interval_s or DEFAULT_LOG_INTERVAL_S)
         self._families: dict[str, Any] | None = None
         self._engines: dict[int, dict[str, Any]] = {}
@@ -200,10 +201,10 @@ class BalanceStatLogger(AggregateStatLoggerBase):
                     "engine %d has sent vLLM's stats for %.0f s but no balance counters: its "
                     "vllm:balance_* metrics stay absent. Check that node: "
                     "vllm-balance-scheduling installed, the same --additional-config "
-                    "(enable_balance_scheduling) as this API server, and its plugin loaded "
-                    "(VLLM_PLUGINS)",
+                    "(%s) as this API server, and its plugin loaded (VLLM_PLUGINS)",
                     engine,
                     now - since,
+                    ENABLE_KEY,
                 )
 
     def log_engine_initialized(self) -> None:

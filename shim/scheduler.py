@@ -1,24 +1,9 @@
 """BalanceScheduler: vLLM's scheduler plus a global admission gate, on the seam.
 
-The whole feature is two operations:
-- ``balance_gather()``: every active engine step, all-gather ``len(self.running)`` across the
-  DP group into ``balance_queue`` (triggered by the engine core, never from ``schedule()``;
-  see ``vllm_balance.shim.engine_core``);
-- the gate: when the largest gathered count **equals** the cap (``balance_cap``), no rank admits
-  WAITING requests this step.
-
-With the opt-in ``balance_collective: "recursive_doubling"`` the gather is a log-depth reduction
-(``vllm_balance.shim.collective``) at the same place, and ``balance_queue`` holds one entry, the
-largest count: all the gate reads, so the decision is the same.
-
-NOTE(contract 1): the comparison is ``==`` against the configured cap: "a leader at the cap
-freezes everyone". The cap is the limit at which upstream's own WAITING loop stops admitting:
-``max_num_active_reqs`` where the installed vLLM has that separate admission limit (0.31+, set by
-``max_num_active_seqs``, default ``max_num_seqs``), else ``max_num_running_reqs``; a gate compared
-with ``max_num_running_reqs`` there would never trip once ``max_num_active_seqs < max_num_seqs``
-(docs/design.md, "The cap"). It is not ``>= cap - 1`` (shipped once in vllm-ascend and reverted
-for a TTFT regression on DeepSeek-V3.1 W4A8) and not "let laggards catch up to the leader"
-(temporarily lowering the cap to ``max(balance_queue)``), which is a different policy.
+The engine core calls ``balance_gather()`` once per active step (never ``schedule()``: lessons A
+and B in docs/design.md); when the largest gathered ``len(self.running)`` **equals** the cap, no
+rank admits WAITING requests this step. ``==``, not ``>= cap - 1`` (a TTFT regression in
+vllm-ascend): docs/design.md, "The behaviour contract" and "The cap".
 """
 
 from __future__ import annotations
@@ -33,7 +18,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_balance.config import ALL_GATHER, balance_enabled, balance_options
+from vllm_balance.config import ALL_GATHER, options_for
 from vllm_balance.shim import collective
 from vllm_balance.shim.metrics import BalanceMetrics
 from vllm_balance.shim.stats import BalanceStats, PeriodicLog
@@ -43,20 +28,11 @@ from vllm_balance.shim.watchdog import GatherWatchdog
 class BalanceSchedulerMixin:
     """Balance state and gate; mixed in front of ``Scheduler`` or ``AsyncScheduler``.
 
-    ``balance_queue`` is the public state the gate reads: the engine core's gather writes it,
-    and tests and tools may set it directly. The gate value is therefore derived from it when
-    ``schedule()`` starts (once per step: it cannot change during one ``schedule()``), not when
-    the gather runs, and not once per WAITING-loop iteration.
-
-    The opt-in bounded hold (``balance_max_frozen_steps``) counts frozen steps where every rank
-    sees the same data, in ``observe_gathered()`` after each gather: a drained rank never enters
-    ``schedule()`` (lesson A), so a count kept there would drift apart across ranks.
+    The gate reads ``balance_queue`` once, when ``schedule()`` starts: whatever the gather (or a
+    test, or the simulator through ``set_gathered()``) put there last.
     """
 
-    # Declared for type checkers: the scheduler attributes the mixin relies on. Each one exists on
-    # every release the support matrix lists (tests/test_upstream_surface.py checks them there);
-    # queue attributes that come and go between releases (``skipped_waiting`` is gone in 0.31)
-    # are never read here: the waiting count is upstream's own ``get_request_counts()``.
+    # Upstream attributes the mixin reads, on every supported release (test_upstream_surface.py).
     running: list
     max_num_running_reqs: int
     if TYPE_CHECKING:
@@ -65,16 +41,13 @@ class BalanceSchedulerMixin:
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)  # type: ignore[call-arg]
-        self._balance_enabled = balance_enabled(vllm_config)
-        # Injected by BalanceDPEngineCoreProc: the gloo DP group exists before the scheduler.
+        options = options_for(vllm_config)  # None: balance off
+        self._balance_enabled = options is not None
         self.dp_group: Any = None
         self.admission_frozen = False
-        if self._balance_enabled:
+        if options is not None:
             parallel_config = vllm_config.parallel_config
-            options = balance_options(vllm_config)
-            # balance_queue holds [1]-shaped views of one int32 buffer: the gather writes every
-            # rank's count into the buffer, so the gate reads them all with one reduction. The
-            # log-depth reduction writes one entry, the largest count.
+            # [1]-shaped views of one buffer: the gate reads every rank's count in one max().
             self._dp_size = parallel_config.data_parallel_size
             self._all_gather = options.collective == ALL_GATHER
             self._gathered = torch.zeros(
@@ -86,12 +59,11 @@ class BalanceSchedulerMixin:
             self._dp_rank = parallel_config.data_parallel_rank
             # Feature detection, not a version: the admission limit the WAITING loop stops at.
             self.balance_cap: int = getattr(self, "max_num_active_reqs", self.max_num_running_reqs)
-            metrics = BalanceMetrics(self)  # it hands the counters to vLLM's stats
+            metrics = BalanceMetrics(self)
             self._periodic_log = PeriodicLog(options.log_interval_s, metrics)
             self._max_frozen_steps = options.max_frozen_steps
             self._frozen_streak = 0
             self._release_next_step = False
-            # Its thread starts with the first gather: only a scheduler that gathers needs one.
             self._gather_watchdog = GatherWatchdog(
                 options.gather_warn_s, self._dp_rank, self._dp_size, self.balance_stats
             )
@@ -99,14 +71,7 @@ class BalanceSchedulerMixin:
     def balance_gather(self) -> None:
         """All-gather ``len(self.running)`` into ``balance_queue``; no-op when disabled/no group.
 
-        A blocked gather looks healthy from outside. The all_gather returns on no rank until
-        every rank has entered it, and gloo fails it only after 30 min (PyTorch's default): a
-        peer that never arrives (a misplaced gather, lesson A; a stuck device kernel; a paused
-        process) leaves the other ranks waiting here silently. On a real vLLM server with lesson
-        A's misplacement, ``/health`` kept answering 200 and the only log line was vLLM's "No
-        available shared memory broadcast block found in 60 seconds". Hence the watchdog
-        (``vllm_balance.shim.watchdog``): its only cost here is the timestamp written before the
-        all_gather and cleared after it.
+        The watchdog reports a gather a peer never enters (docs/operations.md, "A blocked gather").
         """
         if not self._balance_enabled or self.dp_group is None:
             return
@@ -121,21 +86,25 @@ class BalanceSchedulerMixin:
                 dist.all_gather(self.balance_queue, running_count, group=self.dp_group)
             else:
                 reduced = collective.reduce_running(len(self.running), self.dp_group)
-                # Into the buffer, which the gate reads again if a test or tool replaced it.
-                self.balance_queue = [self._gathered_views[0].fill_(reduced.maximum)]
+                self.set_gathered([reduced.maximum])
         finally:
             watchdog.started = None
         self.balance_stats.gather_seconds += time.monotonic() - started
         self.observe_gathered(reduced)
 
-    def observe_gathered(self, reduced: collective.Reduced | None = None) -> None:
-        """Account for a freshly gathered ``balance_queue`` (called by the gather and the sim).
+    def set_gathered(self, counts: list[int] | torch.Tensor) -> None:
+        """Write gathered counts (or the reduction's maximum alone) where the gate reads them."""
+        self._gathered.copy_(torch.as_tensor(counts, dtype=torch.int32))
+        self.balance_queue = list(self._gathered_views)
 
-        ``reduced``: the log-depth reduction's result, where no per-rank counts exist.
+    def observe_gathered(self, reduced: collective.Reduced | None = None) -> None:
+        """Stats and the bounded hold's streak, after each gather (the sim calls it too).
+
+        The streak is counted here, where every rank sees the same data, not in ``schedule()``,
+        which a drained rank never enters (lesson A).
         """
         if reduced is None:
-            counts = self.gathered_vector().tolist()
-            self.balance_stats.record_gather(counts)
+            self.balance_stats.record_gather(self.gathered_vector().tolist())
         else:
             self.balance_stats.record_reduced(*reduced, self._dp_size)
         if self._max_frozen_steps is not None:
@@ -146,13 +115,8 @@ class BalanceSchedulerMixin:
                 self._frozen_streak = 0
 
     def gathered_vector(self) -> torch.Tensor:
-        """``balance_queue`` as one tensor.
-
-        The gather's buffer while ``balance_queue`` still holds the views the constructor made
-        (the gather writes into them in place), else the concatenation of whatever a test or tool
-        put there. The buffer costs nothing at any DP; concatenating costs ~1,300 instructions per
-        rank, 1% of an admission-heavy ``schedule()`` at DP=256.
-        """
+        """``balance_queue`` as one tensor: the buffer itself while it holds the buffer's views
+        (free), else a concatenation of what was put there (~1,300 instructions at DP=256)."""
         queue, views = self.balance_queue, self._gathered_views
         if len(queue) == len(views) and all(map(operator.is_, queue, views)):
             return self._gathered
@@ -167,8 +131,7 @@ class BalanceSchedulerMixin:
             frozen = self.leader_at_cap()
             released = frozen and self._release_next_step
             self.admission_frozen = frozen and not released
-            # Upstream's own count (its waiting queues differ between releases); read only when
-            # it is recorded.
+            # Upstream's own count: its waiting queues differ between releases.
             num_waiting = self.get_request_counts()[1] if self.admission_frozen else 0
             self.balance_stats.record_step(
                 self.admission_frozen, released, num_waiting, self._dp_rank
@@ -177,8 +140,7 @@ class BalanceSchedulerMixin:
         return super().schedule(throttle_prefills)  # type: ignore[misc]
 
     def _should_stop_admitting_waiting(self) -> bool:
-        """The seam: hold-only, so upstream's own slot check has run inline already and this
-        can only hold back (docs/design.md, Phase 2B)."""
+        """The seam (hold-only: upstream's slot check already ran; docs/design.md, Phase 2B)."""
         return self.admission_frozen
 
 

@@ -14,6 +14,7 @@ engine-core class swap and the scheduler selection under test run untouched.
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -78,6 +79,10 @@ def launch_engine_core(method: str, vllm_config, report_path: str, target=None) 
 
     from vllm.v1.engine.core import EngineCoreProc
 
+    # Garbage of earlier tests (a gloo process group in a reference cycle) must not reach a forked
+    # child: its collector would run the group's destructor, which joins threads that exist only
+    # in this process, and the child dies with SIGSEGV before the probe.
+    gc.collect()
     context = multiprocessing.get_context(method)
     process = context.Process(
         target=target or EngineCoreProc.run_engine_core,

@@ -10,19 +10,11 @@ under their emulated device time measures the machine, and is left out of the me
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from vllm_balance_e2e_plugins import device_time
 
+from benchmarks.emulated import CPU_SHARE_LIMIT, headroom, valid_runs
 from vllm_balance.sim.stepmodel import StepModelError, StepTimeModel
-
-# The e2e plugins are installed only in the e2e sessions; their arithmetic needs no server.
-sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e" / "vllm_plugins"))
-
-from vllm_balance_e2e_plugins import device_time  # noqa: E402
-
-from benchmarks.emulated import CPU_SHARE_LIMIT, headroom, valid_runs  # noqa: E402
 
 MODEL = StepTimeModel(
     fixed_ms=100.0, per_prefill_token_ms=0.55, per_decode_request_ms=1.55, per_kv_token_ms=0.01

@@ -46,9 +46,9 @@ from vllm_balance.compat.derive import (
     WAITING_LOOP,
     Phase2AUnavailable,
     UnverifiedSchedule,
-    is_slot_check,
     normalized_dump,
 )
+from vllm_balance.slot_check import is_slot_check
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -132,6 +132,19 @@ def test_contract1_gate_reads_what_balance_queue_holds_not_a_stale_buffer():
     assert scheduler.leader_at_cap() is True
 
 
+def test_contract1_set_gathered_puts_the_gate_back_on_the_gather_buffer(balance_collective):
+    """set_gathered() (the simulator's gather) writes what the gate reads, even after a list
+    replaced balance_queue: the reduction delivers the largest count alone."""
+    scheduler = balance_scheduler()
+    factories.set_gathered(scheduler, [0, 0])
+    counts = [0, CAP] if balance_collective == "all_gather" else [CAP]
+    scheduler.set_gathered(counts)
+    assert [int(t) for t in scheduler.balance_queue] == counts
+    assert scheduler.leader_at_cap() is True
+    scheduler.set_gathered([0] * len(counts))
+    assert scheduler.leader_at_cap() is False
+
+
 def has_admission_limit() -> bool:
     """vLLM 0.31+: ``max_num_active_seqs`` sets an admission limit below ``max_num_seqs``."""
     import dataclasses

@@ -20,6 +20,7 @@ import textwrap
 from dataclasses import fields
 
 import pytest
+from conftest import ROOT
 from factories import make_scheduler, make_vllm_config
 from vllm.v1.metrics.stats import SchedulerStats
 
@@ -203,8 +204,7 @@ API_SERVER = textwrap.dedent(
     import json, sys
     from vllm.v1.metrics.stats import SchedulerStats
     from vllm_balance.shim.metrics import BalanceSchedulerStats, BalanceStatLogger
-    sys.path.insert(0, "tests")
-    from factories import make_vllm_config
+    from tests.factories import make_vllm_config
 
     config = make_vllm_config(data_parallel_size=2, additional_config=json.loads(sys.argv[2]))
     config.model_config.served_model_name = "tiny-moe"  # one label set for both API servers
@@ -224,7 +224,7 @@ def test_several_api_servers_add_up_the_increases(tmp_path, monkeypatch, split):
     for increases in split:
         done = subprocess.run(
             [sys.executable, "-c", API_SERVER, json.dumps(increases), json.dumps(BALANCE_ON)],
-            env=env, capture_output=True, text=True, timeout=300,
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
     from vllm.v1.metrics.prometheus import get_prometheus_registry

@@ -157,9 +157,9 @@ def test_added_lines_fit_vllm_line_length(series):
 
 
 def test_pr_description_names_the_newest_series_and_agrees_with_its_message():
-    """docs/upstream-pr.md is against the newest release, pastes no diff (the series is the
+    """upstream_patch/PR.md is against the newest release, pastes no diff (the series is the
     diff), and says what the commit message says of schedule()'s size."""
-    doc = (ROOT / "docs" / "upstream-pr.md").read_text(encoding="utf-8")
+    doc = (ROOT / "upstream_patch" / "PR.md").read_text(encoding="utf-8")
     newest = SERIES[-1]
     assert f"vLLM {newest.ref.removeprefix('v')}" in doc
     assert f"upstream_patch/{newest.ref}/seam.patch" in doc
@@ -169,7 +169,7 @@ def test_pr_description_names_the_newest_series_and_agrees_with_its_message():
 
 
 def test_the_pr_example_holds_back_admission_on_async_scheduling():
-    """docs/upstream-pr.md's example, run as written, on a real AsyncScheduler with the seam:
+    """upstream_patch/PR.md's example, run as written, on a real AsyncScheduler with the seam:
     frozen, it admits nothing; released, it admits (the seam sessions run it)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
@@ -177,9 +177,9 @@ def test_the_pr_example_holds_back_admission_on_async_scheduling():
         pytest.skip("this vLLM has no seam (the *-seam sessions apply it)")
     from factories import make_request, make_scheduler, request_specs
 
-    doc = (ROOT / "docs" / "upstream-pr.md").read_text(encoding="utf-8")
+    doc = (ROOT / "upstream_patch" / "PR.md").read_text(encoding="utf-8")
     example = re.search(r"```python\n(.*?)```", doc, re.S)
-    assert example, "docs/upstream-pr.md has no ```python example"
+    assert example, "upstream_patch/PR.md has no ```python example"
     namespace: dict = {}
     exec(example.group(1), namespace)
     scheduler = make_scheduler(namespace["BalanceScheduler"], async_scheduling=True)

@@ -268,7 +268,7 @@ def test_the_bounded_hold_is_labelled_simulated_only():
     evidence = _evidence(_vs_off(*better), hold_vs_on=_vs_off(*[{"ttft_p99": 700}] * 3))
     text = _text(evidence)
     assert "Bounded hold: also set balance_max_frozen_steps: 8" in text
-    assert "Simulated only: the one real measurement (docs/results.md, bench-serve" in text
+    assert "Simulated only: both real measurements (docs/results.md: bench-serve" in text
 
 
 def test_a_verdict_with_steady_queues_says_the_numbers_do_not_grow_with_the_run():

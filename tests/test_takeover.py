@@ -338,21 +338,16 @@ def test_opt_in_without_vllm_ascend_warns_that_there_is_nothing_to_take_over(cap
     assert f"{expected} is not active" in caplog.text
 
 
-def test_every_take_over_patch_is_documented():
-    for patch in registry.TAKE_OVER_PATCHES:
-        assert all([patch.why, patch.how, patch.related_pr, patch.future_plan]), patch.name
-
-
 # The full launcher: front end, DP coordinator and engine processes of vLLM's own
 
 
 def run_front_end(root, order: str, options: dict, method: str) -> dict:
-    """``tests/multiproc/entrypoint.py`` in a fresh interpreter, with the release in ``order``."""
+    """``tests/multiproc/entrypoint.py`` in a fresh interpreter, with the release in ``order``
+    (``-c`` from the repository root: ``tests`` imports as a package)."""
     code = textwrap.dedent(
         f"""
         import runpy, sys
         from pathlib import Path
-        sys.path.insert(0, {ROOT!r})
         from tests.vllm_ascend_standin import put_on_path
         put_on_path({order!r}, Path({str(root)!r}))
         sys.argv = ["entrypoint", "2", {json.dumps(options)!r}]

@@ -44,7 +44,9 @@ if os.environ.get("VLLM_BALANCE_SIDE") == "balance":
 
     # Balance on for every balance scheduler these tests build (their configs do not ask for
     # it); one DP rank whose gathered count is 0 keeps the gate open.
-    _shim_scheduler.balance_enabled = lambda vllm_config: True
+    from vllm_balance.config import balance_options
+
+    _shim_scheduler.options_for = balance_options
     _BALANCE_CLASSES = {
         Scheduler: vllm_balance.BalanceScheduler,
         AsyncScheduler: vllm_balance.BalanceAsyncScheduler,

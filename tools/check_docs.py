@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Check README.md and docs/*.md: every relative link resolves (file and #anchor).
+"""Check README.md, docs/*.md and upstream_patch/**/*.md: every relative link resolves
+(file and #anchor).
 
 Run by the lint session (pre-commit hook "docs-links"). Exit 1 with one line per dead link.
 """
@@ -41,7 +42,11 @@ def dead_links(doc: Path) -> list[str]:
 
 
 def main() -> int:
-    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    docs = [
+        ROOT / "README.md",
+        *sorted(ROOT.glob("docs/*.md")),
+        *sorted(ROOT.glob("upstream_patch/**/*.md")),
+    ]
     problems = [line for doc in docs if doc.exists() for line in dead_links(doc)]
     for line in problems:
         print(line)

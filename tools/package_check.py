@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import tarfile
 import zipfile
 from email.parser import Parser
@@ -54,11 +53,9 @@ def extra_conflicts(wheel: Path, sdist: Path) -> list[str]:
 
 
 def activates_through_the_entry_point() -> str:
+    import factories
     import vllm.plugins
     from vllm.v1.engine.core import EngineCoreProc
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    import factories
 
     from vllm_balance import activation
 

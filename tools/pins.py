@@ -41,9 +41,8 @@ def pin_path(name: str) -> Path:
     return PINS_DIR / f"{name}.txt"
 
 
-def read_pin(name: str, path: Path | None = None) -> Pin:
-    default_path = pin_path(name)  # rejects unknown pin names
-    path = path or default_path
+def read_pin(name: str) -> Pin:
+    path = pin_path(name)  # rejects unknown pin names
     distribution = DISTRIBUTIONS[name]
     try:
         text = path.read_text(encoding="utf-8")

@@ -3,10 +3,10 @@
 
 Which path runs on a vLLM release, and what backs it, follows from four places: the pin files
 (pins/*.txt, what CI runs), the seam series (upstream_patch/v<release>/, and which one serves each
-release as reach recorded it), the verified fingerprints
+release and how its patch fared, as reach recorded it), the verified fingerprints
 the compat path accepts at run time (compat/fingerprints.json) and the per-release runs of
 ``nox -s reach`` (docs/reach-evidence.json). Generating the tables from them means they cannot
-drift: ``tests/test_repo_hygiene.py`` runs ``--check`` in every test session. Only the document's
+drift: the lint session runs ``--check`` (noxfile.py). Only the document's
 generated blocks are written (``fill``); its prose is edited in the document. A cell says "verified"
 only when the reach run of that release and path passed (or, for a pin, CI runs it).
 
@@ -23,13 +23,11 @@ import sys
 from pathlib import Path
 
 from packaging.version import Version
+from seam_patch import all_series, serving_series
+
+from pins import PIN_NAMES, read_pin
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "upstream_patch"))
-from seam_patch import all_series, serving_series  # noqa: E402
-
-from pins import PIN_NAMES, read_pin  # noqa: E402
 
 DOC = ROOT / "docs" / "support-matrix.md"
 EVIDENCE = ROOT / "docs" / "reach-evidence.json"
@@ -74,6 +72,26 @@ def _path_row(release: str, path: str, run: dict | None, pins: list[str], usable
         f"| {release} | {path} | {usable} | {verdict} | {_counts(run['differential'])} | "
         f"{_counts(run['contract'])} | {_own_tests(run['own_tests'])} | {run['date']} |"
     )
+
+
+def _seam_rows(evidence: dict) -> list[str]:
+    """The seam series per release, as ``nox -s reach`` recorded it."""
+    lines = [
+        "| release | applies | neutral | patch size | called after the slot check | date |",
+        "|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for release in sorted(evidence, key=Version):
+        seam = evidence[release].get("seam")
+        if seam is None:
+            continue
+        size = f"{seam['scheduler_diff']}; test +{seam['test_lines']}" if seam["series"] else ""
+        lines.append(
+            f"| {release} | {seam['applies']} | {seam['neutral']} | {size} | "
+            f"{seam['condition']} | {seam['date']} |"
+        )
+        notes += [f"- {release}: {n}" for n in seam["notes"]]
+    return lines + (["", "Notes:", "", *notes] if notes else [])
 
 
 def render(today: str) -> str:
@@ -132,6 +150,7 @@ def render(today: str) -> str:
                 *costs,
             ],
             "cpu-builds": cpu or ["- none checked yet."],
+            "seam-reach": _seam_rows(evidence),
             "metrics": [
                 f"- {release} ({', '.join(pins)})" for release, pins in pinned.items() if release
             ],

@@ -27,8 +27,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from seam_patch import (  # noqa: E402
+from seam_patch import (
     SCHEDULER_PATH,
     SEAM_METHOD,
     Match,

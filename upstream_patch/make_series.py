@@ -41,6 +41,7 @@ did, and the message says so.
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import shutil
 import sys
@@ -49,9 +50,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from packaging.version import Version
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from seam_patch import (  # noqa: E402
+from seam_patch import (
     PATCH_ROOT,
     SCHEDULER_PATH,
     SEAM_METHOD,
@@ -68,6 +67,8 @@ from seam_patch import (  # noqa: E402
     serving_series,
 )
 
+from vllm_balance.slot_check import slot_checks
+
 PATCH_NAME = "seam.patch"
 # The sentence of the authored message that a release's note follows.
 NOTE_AFTER = "No behaviour change."
@@ -78,7 +79,6 @@ SCHEDULER_CLS_NOTE = """
 Before 0.31, create_scheduler() in tests/v1/core/utils.py takes no
 scheduler_cls; this series adds it, as 0.31 did, for the new tests."""
 
-_SLOT_CHECK = re.compile(r"^(?P<indent>\s*)if .*\bself\.max_num_\w+_reqs\b.*:\s*$")
 _CAPACITY_UPDATE = re.compile(r"^\s*self\.prefill_capacity_bound\s*=[^=]")
 _GUARD = re.compile(r"^(?P<indent>\s*)if (?P<cond>.+):\s*$")
 _FACTORY_END = re.compile(r"^\) -> .*:\s*$")
@@ -117,20 +117,21 @@ def add_seam(source: str, method_head: str) -> str:
         (i for i in range(schedule_at + 1, len(lines)) if lines[i].startswith("    def ")),
         len(lines),
     )
-    # In every release so far the only slot check that breaks a loop in schedule() is the one in
-    # the WAITING loop (the RUNNING loop preempts instead); two would be ambiguous.
-    checks = [
-        i
-        for i in range(schedule_at, end_of_schedule - 1)
-        if _SLOT_CHECK.match(lines[i]) and lines[i + 1].strip() == "break"
-    ]
+    # The same anchor as the Phase 2A derivation's (vllm_balance.slot_check).
+    schedule = next(
+        n
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.FunctionDef) and n.lineno == schedule_at + 1
+    )
+    checks = slot_checks(schedule)
     if len(checks) != 1:
-        raise SeamError(f"expected one 'if ...self.max_num_*_reqs: break' in schedule(), {checks}")
-    check_at = checks[0]
+        found = [check.lineno for _, check in checks]
+        raise SeamError(f"expected one 'if ...self.max_num_*_reqs: break' in a loop, {found}")
+    loop, check = checks[0]
+    if check.test.end_lineno != check.lineno or check.body[0].lineno != check.lineno + 1:
+        raise SeamError(f"the slot check is not 'if <one line>:' then 'break': {check.lineno}")
+    check_at, loop_at = check.lineno - 1, loop.lineno - 1
     indent = lines[check_at][: _indent(lines[check_at])]
-    loop_at = _block_head(lines, check_at, schedule_at)
-    if not lines[loop_at].lstrip().startswith("while "):
-        raise SeamError(f"the slot check is not directly in a while loop: {lines[loop_at]!r}")
     loop_indent = lines[loop_at][: _indent(lines[loop_at])]
 
     updates = [i for i in range(check_at, end_of_schedule) if _CAPACITY_UPDATE.match(lines[i])]

@@ -27,9 +27,8 @@ unpacked wheel shadows this environment's vLLM in child processes
 
 Results are merged into docs/reach-evidence.json (per release and path, dated); a compat path that
 passed is recorded in compat/fingerprints.json (release, fingerprint, date, evidence), which is what
-the compat path accepts at run time; docs/support-matrix.md and docs/seam-reach.md are regenerated
-from the evidence. Wheels are downloaded once into ``/tmp/wheels``; sdists are cached by
-run_vllm_tests.py.
+the compat path accepts at run time; docs/support-matrix.md is regenerated from the evidence.
+Wheels are downloaded once into ``/tmp/wheels``; sdists are cached by run_vllm_tests.py.
 """
 
 from __future__ import annotations
@@ -47,19 +46,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import support_matrix
+from apply import apply_installed
+from junit import junit_outcomes, tally
+from make_series import SeamError, check_series
 from packaging.version import Version
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "tests"))
-import support_matrix  # noqa: E402
-from apply import apply_installed  # noqa: E402
-from junit import junit_outcomes, tally  # noqa: E402
-from make_series import SeamError, check_series  # noqa: E402
-from run_vllm_tests import pytest_child  # noqa: E402
-from seam_patch import (  # noqa: E402
+from run_vllm_tests import pytest_child
+from seam_patch import (
     CACHE,
     SCHEDULER_PATH,
     SEAM_METHOD,
@@ -75,9 +68,11 @@ from seam_patch import (  # noqa: E402
     wheel_for,
     wheel_scheduler_source,
 )
-from support_matrix import EVIDENCE, FINGERPRINTS  # noqa: E402
+from support_matrix import EVIDENCE, FINGERPRINTS
 
-SEAM_TABLE = ROOT / "docs" / "seam-reach.md"
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
 WORK = Path.home() / ".cache" / "vllm-balance" / "reach"  # the unpacked wheels, while they run
 NEUTRALITY_TESTS = "tests/test_seam_neutrality.py"
 DIFFERENTIAL_TESTS = ("tests/test_differential.py", "tests/test_gate_oracle.py")
@@ -367,29 +362,6 @@ def record_fingerprints(evidence: dict) -> None:
     FINGERPRINTS.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def write_seam_table(evidence: dict) -> None:
-    lines = [
-        f"Run on Python {sys.version_info.major}.{sys.version_info.minor}.",
-        "",
-        "| release | applies | neutral | patch size | called after the slot check | date |",
-        "|---|---|---|---|---|---|",
-    ]
-    notes = []
-    for release in sorted(evidence, key=Version):
-        seam = evidence[release].get("seam")
-        if seam is None:
-            continue
-        size = f"{seam['scheduler_diff']}; test +{seam['test_lines']}" if seam["series"] else ""
-        lines.append(
-            f"| {release} | {seam['applies']} | {seam['neutral']} | {size} | "
-            f"{seam['condition']} | {seam['date']} |"
-        )
-        notes += [f"- {release}: {n}" for n in seam["notes"]]
-    if notes:
-        lines += ["", "Notes:", "", *notes]
-    SEAM_TABLE.write_text(support_matrix.fill(SEAM_TABLE, {"seam-reach": lines}))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -418,7 +390,6 @@ def main(argv: list[str] | None = None) -> int:
         # Written after every release: a sweep interrupted later keeps what it verified.
         EVIDENCE.write_text(json.dumps(evidence, indent=1, sort_keys=True) + "\n")
         record_fingerprints(evidence)
-        write_seam_table(evidence)
         support_matrix.main([])
         verdicts = {p: entry[p]["ok"] for p in PATHS if p in entry}
         ok = ok and all(verdicts.values()) and evidence[version]["seam"]["applies"] == "yes"

@@ -49,12 +49,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-TESTS_DIR = HERE.parent / "tests"
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(TESTS_DIR))
-from junit import junit_failures, junit_outcomes, tally  # noqa: E402
-from seam_patch import (  # noqa: E402
+from junit import junit_failures, junit_outcomes, tally
+from seam_patch import (
     SCHEDULER_PATH,
     SEAM_METHOD,
     SEAM_TEST_PATH,
@@ -70,6 +66,9 @@ from seam_patch import (  # noqa: E402
     unpacked_release,
     wheel_scheduler_source,
 )
+
+HERE = Path(__file__).resolve().parent
+TESTS_DIR = HERE.parent / "tests"
 
 ENTRY_TEST = SEAM_TEST_PATH  # vLLM's test_scheduler.py, where the series appends its cases
 ASYNC_TEST = "tests/v1/core/test_async_scheduler.py"

@@ -21,10 +21,13 @@ from typing import Any
 
 from vllm_balance import registry
 from vllm_balance.config import (
+    ENABLE_KEY,
     TAKE_OVER_ENV_VAR,
     TAKE_OVER_KEY,
+    BalanceOptions,
     balance_enabled,
     balance_options,
+    hand_over,
 )
 from vllm_balance.log import logger
 from vllm_balance.registry import DP_ENGINE_CORE_SWAP, RUN_ENGINE_CORE_WRAPPER
@@ -74,27 +77,29 @@ def _foreign_balance_patches() -> list[str]:
     ]
 
 
-def balance_applies(vllm_config: Any) -> bool:
-    """Whether balance must be activated for this engine process; raises on impossible configs.
+def balance_applies(vllm_config: Any) -> tuple[BalanceOptions, list[str]] | None:
+    """(options, foreign patches) where balance must be activated for this engine process, else
+    None; raises on impossible configs. The config is read here, once per process.
 
     Warnings (balance requested but it cannot act, so nothing is installed) and errors are the
     operator-facing validation table of docs/operations.md.
     """
     if vllm_config is None:
-        return False
+        return None
     import_vllm_ascend_patches()  # wherever plugin order put them: check the final state
     foreign = _foreign_balance_patches()
     if foreign:  # vllm-ascend's own code initialises it in this process, whichever decides
         init_vllm_ascend_config(vllm_config)
     if not balance_enabled(vllm_config):
-        return False
+        return None
     role = _kv_role(vllm_config)
     if role in ("kv_producer", "kv_consumer"):
         raise BalanceConfigError(
             "balance scheduling supports PD-mixed mode only; kv_transfer_config.kv_role="
-            f"{role!r} (PD-disaggregated) cannot enable enable_balance_scheduling"
+            f"{role!r} (PD-disaggregated) cannot enable {ENABLE_KEY}"
         )
-    if foreign and not balance_options(vllm_config).take_over_vllm_ascend:
+    options = balance_options(vllm_config)
+    if foreign and not options.take_over_vllm_ascend:
         raise BalanceConfigError(
             "balance scheduling is already patched in by vllm-ascend ("
             + "; ".join(foreign)
@@ -110,15 +115,15 @@ def balance_applies(vllm_config: Any) -> bool:
             "without data parallelism; nothing is installed",
             parallel_config.data_parallel_size,
         )
-        return False
+        return None
     if not vllm_config.model_config.is_moe:
         logger.warning(
             "balance scheduling is enabled but the model is not MoE: vLLM runs dense DP ranks "
             "as independent engines with no cross-rank sync, so balance cannot act; "
             "nothing is installed"
         )
-        return False
-    return True
+        return None
+    return options, foreign
 
 
 def select_scheduler_cls(vllm_config: Any) -> type:
@@ -156,11 +161,14 @@ def activate_for(vllm_config: Any, log_stats: bool | None = None) -> bool:
 
     ``log_stats``: whether this engine core collects vLLM's stats (they carry the metrics).
     """
-    if not balance_applies(vllm_config):
+    applies = balance_applies(vllm_config)
+    if applies is None:
         DP_ENGINE_CORE_SWAP.uninstall()
         return False
-    _take_over_if_requested(vllm_config)
+    options, foreign = applies
+    _take_over_if_requested(vllm_config, options, foreign)
     scheduler_cls = select_scheduler_cls(vllm_config)
+    hand_over(vllm_config, options)  # the scheduler vLLM builds next reads no config again
     DP_ENGINE_CORE_SWAP.install()
     from vllm_balance.selection import active_path
 
@@ -178,11 +186,10 @@ def activate_for(vllm_config: Any, log_stats: bool | None = None) -> bool:
     return True
 
 
-def _take_over_if_requested(vllm_config: Any) -> None:
+def _take_over_if_requested(vllm_config: Any, options: BalanceOptions, foreign: list[str]) -> None:
     """Take-over mode (vllm_balance.takeover): balance_applies() let foreign patches through."""
-    foreign = _foreign_balance_patches()
     if not foreign:
-        if balance_options(vllm_config).take_over_vllm_ascend:
+        if options.take_over_vllm_ascend:
             logger.warning(
                 "%s (or %s) is set but vllm-ascend's balance patch is not active in this "
                 "process: nothing to take over (remove it)",

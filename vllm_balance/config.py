@@ -63,7 +63,7 @@ def _from_ascend_config() -> Any:
     return value
 
 
-def _additional_value(vllm_config: Any, key: str) -> tuple[str, Any]:
+def additional_value(vllm_config: Any, key: str) -> tuple[str, Any]:
     """(where, value) of ``key``: the nested ``scheduler_config`` form wins over the top level."""
     additional = _additional_config(vllm_config)
     nested = additional.get("scheduler_config")
@@ -73,7 +73,7 @@ def _additional_value(vllm_config: Any, key: str) -> tuple[str, Any]:
 
 
 def _from_additional_config(vllm_config: Any) -> Any:
-    where, value = _additional_value(vllm_config, ENABLE_KEY)
+    where, value = additional_value(vllm_config, ENABLE_KEY)
     return value if value is _UNSET else _checked_bool(where, value)
 
 
@@ -168,7 +168,7 @@ def _take_over_from_env() -> bool:
 
 def _seconds_or_off(vllm_config: Any, key: str, default: float, zero_means: str) -> float | None:
     """A finite number of seconds >= 0 from ``key``; 0 means off (``None``)."""
-    where, value = _additional_value(vllm_config, key)
+    where, value = additional_value(vllm_config, key)
     if value is _UNSET:
         value = default
     elif (
@@ -188,14 +188,14 @@ def balance_options(vllm_config: Any) -> BalanceOptions:
     gather_warn = _seconds_or_off(
         vllm_config, GATHER_WARN_KEY, DEFAULT_GATHER_WARN_S, "0 turns the gather watchdog off"
     )
-    where, bound = _additional_value(vllm_config, MAX_FROZEN_STEPS_KEY)
+    where, bound = additional_value(vllm_config, MAX_FROZEN_STEPS_KEY)
     if bound is _UNSET or bound is None:
         bound = None
     elif isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
         raise ValueError(f"{where} must be an integer >= 1 (or unset for no bound), got {bound!r}")
-    where, take_over = _additional_value(vllm_config, TAKE_OVER_KEY)
+    where, take_over = additional_value(vllm_config, TAKE_OVER_KEY)
     take_over = _take_over_from_env() if take_over is _UNSET else _checked_bool(where, take_over)
-    where, collective = _additional_value(vllm_config, COLLECTIVE_KEY)
+    where, collective = additional_value(vllm_config, COLLECTIVE_KEY)
     if collective is _UNSET:
         collective = ALL_GATHER
     elif collective not in COLLECTIVES:
@@ -207,3 +207,30 @@ def balance_options(vllm_config: Any) -> BalanceOptions:
         gather_warn_s=gather_warn,
         collective=collective,
     )
+
+
+def read_options(vllm_config: Any) -> BalanceOptions | None:
+    """This config's options where it enables balance scheduling, else None (keys then unread)."""
+    return balance_options(vllm_config) if balance_enabled(vllm_config) else None
+
+
+# What the activation read in this process, for the scheduler vLLM builds next from the same
+# VllmConfig object: [(vllm_config, options)], taken once.
+_read_by_activation: list[tuple[Any, BalanceOptions]] = []
+
+
+def hand_over(vllm_config: Any, options: BalanceOptions) -> None:
+    """Keep the activation's reading of ``vllm_config`` for ``options_for``."""
+    _read_by_activation[:] = [(vllm_config, options)]
+
+
+def options_for(vllm_config: Any) -> BalanceOptions | None:
+    """What the activation read for this very config object, else ``read_options`` now.
+
+    An engine core reads its config once: the activation's wrapper runs first and vLLM then
+    builds the scheduler from the same ``VllmConfig``, so the deprecated-env warning prints once.
+    A scheduler built any other way (tests, the simulator) reads its own config.
+    """
+    if _read_by_activation and _read_by_activation[0][0] is vllm_config:
+        return _read_by_activation.pop()[1]
+    return read_options(vllm_config)

@@ -1,9 +1,10 @@
 """Every run-time patch this package applies to vLLM, accounted for.
 
-Each entry says Why (what upstream lacks), How (what is replaced), Related PR (the upstream change
-that would remove it) and Future Plan, and is reversible (``install()`` / ``uninstall()``), so
-tests can apply and remove it. Scheduler classes are not patched: they are chosen per engine
-process through ``scheduler_config.scheduler_cls`` (see ``vllm_balance.activation``).
+Above each entry a comment in vllm-ascend's patch convention says Why (what upstream lacks),
+How (what is replaced), Related PR (the upstream change that would remove it) and Future Plan.
+Each is reversible (``install()`` / ``uninstall()``), so tests can apply and remove it.
+Scheduler classes are not patched: they are chosen per engine process through
+``scheduler_config.scheduler_cls`` (see ``vllm_balance.activation``).
 
 The registry imports nothing of this package but the shim: the modules that own a replacement
 (``activation``, ``takeover``) import it and set theirs at import time (``provided_by``).
@@ -23,13 +24,9 @@ from typing import Any
 
 @dataclass
 class RuntimePatch:
-    """One attribute of a vLLM object replaced at run time, with its paperwork."""
+    """One attribute of a vLLM object replaced at run time (its paperwork: the comment above it)."""
 
     name: str
-    why: str
-    how: str
-    related_pr: str
-    future_plan: str
     owner: Callable[[], Any]  # returns the object whose attribute is replaced
     attribute: str
     replacement: Callable[[], Any]  # returns the value installed
@@ -105,40 +102,40 @@ def _balance_dp_engine_core() -> Any:
     return BalanceDPEngineCoreProc
 
 
+# EngineCoreProc.run_engine_core
+#   Why:
+#     vLLM has no extension point to pick the DP engine-core class or the scheduler per config;
+#     run_engine_core is the entry of every engine-core process and the first place that sees the
+#     process's VllmConfig
+#   How:
+#     staticmethod wrapper (vllm_balance.activation.balance_run_engine_core) that validates the
+#     config, swaps DPEngineCoreProc and selects the scheduler class when balance is on, restores
+#     the upstream class when off, then calls upstream's run_engine_core
+#   Related PR:
+#     none yet: an engine-core hook for per-step DP collectives would remove it
+#   Future Plan:
+#     keep while the DP gather needs an engine-core subclass; drop with an upstream engine-core step
+#     hook
 RUN_ENGINE_CORE_WRAPPER = RuntimePatch(
     name="EngineCoreProc.run_engine_core",
-    why=(
-        "vLLM has no extension point to pick the DP engine-core class or the scheduler per "
-        "config; run_engine_core is the entry of every engine-core process and the first place "
-        "that sees the process's VllmConfig"
-    ),
-    how=(
-        "staticmethod wrapper (vllm_balance.activation.balance_run_engine_core) that validates "
-        "the config, swaps DPEngineCoreProc and selects the scheduler class when balance is on, "
-        "restores the upstream class when off, then calls upstream's run_engine_core"
-    ),
-    related_pr="none yet: an engine-core hook for per-step DP collectives would remove it",
-    future_plan=(
-        "keep while the DP gather needs an engine-core subclass; drop with an upstream "
-        "engine-core step hook"
-    ),
     owner=_engine_core_proc,
     attribute="run_engine_core",
     replacement=provided_by("vllm_balance.activation"),
 )
 
+# vllm.v1.engine.core.DPEngineCoreProc
+#   Why:
+#     the balance gather must run right after _has_global_unfinished_reqs (lessons A and B), which
+#     only an engine-core subclass can hook
+#   How:
+#     module-global name swapped to BalanceDPEngineCoreProc by the run_engine_core wrapper, per
+#     engine process, only when balance is on; restored otherwise
+#   Related PR:
+#     none yet (same engine-core hook as above)
+#   Future Plan:
+#     drop with an upstream engine-core step hook
 DP_ENGINE_CORE_SWAP = RuntimePatch(
     name="vllm.v1.engine.core.DPEngineCoreProc",
-    why=(
-        "the balance gather must run right after _has_global_unfinished_reqs (lessons A and B), "
-        "which only an engine-core subclass can hook"
-    ),
-    how=(
-        "module-global name swapped to BalanceDPEngineCoreProc by the run_engine_core wrapper, "
-        "per engine process, only when balance is on; restored otherwise"
-    ),
-    related_pr="none yet (same engine-core hook as above)",
-    future_plan="drop with an upstream engine-core step hook",
     owner=engine_core_module,
     attribute="DPEngineCoreProc",
     replacement=_balance_dp_engine_core,
@@ -168,23 +165,24 @@ def _annotations_with_balance_stats() -> dict:
     return _DECODED_WITH_BALANCE[0]
 
 
+# vllm.v1.engine.EngineCoreOutputs.scheduler_stats (decoded type)
+#   Why:
+#     SchedulerStats has no field for a plugin's counters, and msgspec decodes a dataclass by its
+#     declared fields only: the balance counters an engine core adds to its stats
+#     (vllm_balance.shim.metrics) would be dropped by the API server's decoder, so a headless node's
+#     ranks would never reach /metrics
+#   How:
+#     EngineCoreOutputs.__annotations__ replaced by a copy whose scheduler_stats is
+#     BalanceSchedulerStats | None (SchedulerStats plus one optional field), by the plugin in every
+#     process, before vLLM builds its engine client; it affects decoders built after it (msgspec
+#     reads a Struct's field types once, at its first decoder); an engine that sends no balance
+#     field decodes with balance=None
+#   Related PR:
+#     none yet: a SchedulerStats field for plugin counters would remove it
+#   Future Plan:
+#     drop with an upstream SchedulerStats extension field
 STATS_DECODED_WITH_BALANCE = RuntimePatch(
     name="vllm.v1.engine.EngineCoreOutputs.scheduler_stats (decoded type)",
-    why=(
-        "SchedulerStats has no field for a plugin's counters, and msgspec decodes a dataclass "
-        "by its declared fields only: the balance counters an engine core adds to its stats "
-        "(vllm_balance.shim.metrics) would be dropped by the API server's decoder, so a "
-        "headless node's ranks would never reach /metrics"
-    ),
-    how=(
-        "EngineCoreOutputs.__annotations__ replaced by a copy whose scheduler_stats is "
-        "BalanceSchedulerStats | None (SchedulerStats plus one optional field), by the plugin "
-        "in every process, before vLLM builds its engine client; it affects decoders built "
-        "after it (msgspec reads a Struct's field types once, at its first decoder); an engine "
-        "that sends no balance field decodes with balance=None"
-    ),
-    related_pr="none yet: a SchedulerStats field for plugin counters would remove it",
-    future_plan="drop with an upstream SchedulerStats extension field",
     owner=_engine_core_outputs,
     attribute="__annotations__",
     replacement=_annotations_with_balance_stats,
@@ -211,63 +209,58 @@ def async_scheduler_module() -> Any:
     return vllm.v1.core.sched.async_scheduler
 
 
-_TAKE_OVER_WHY = (
-    "vllm-ascend's patch_balance_schedule.py (and DyntraLB's wrapper on top of it) replaces this "
-    "name at import, unconditionally, in every process that applies vllm-ascend's platform "
-    "patches; two balance implementations in one engine core gather twice per step"
-)
-_TAKE_OVER_PR = (
-    "vllm-ascend: upstream_patch/vllm-ascend/ (patch_balance_schedule.py delegates to this "
-    "package instead of swapping names)"
-)
-_TAKE_OVER_PLAN = "delete with vllm_balance/takeover.py once vllm-ascend delegates"
+# The take-over entries (vllm_balance.takeover) put back what vllm-ascend replaced. For all four
+# (AsyncScheduler adds a Why of its own):
+#   Why:
+#     vllm-ascend's patch_balance_schedule.py (and DyntraLB's wrapper on top of it) replaces this
+#     name at import, unconditionally, in every process that applies vllm-ascend's platform patches;
+#     two balance implementations in one engine core gather twice per step
+#   Related PR:
+#     vllm-ascend: upstream_patch/vllm-ascend/ (patch_balance_schedule.py delegates to this package
+#     instead of swapping names)
+#   Future Plan:
+#     delete with vllm_balance/takeover.py once vllm-ascend delegates
 
+# vllm.v1.core.sched.scheduler.Scheduler (take-over)
+#   How:
+#     vLLM's own Scheduler (the vLLM class in the swapped class's MRO) put back
 TAKE_OVER_SCHEDULER = RuntimePatch(
     name="vllm.v1.core.sched.scheduler.Scheduler (take-over)",
-    why=_TAKE_OVER_WHY,
-    how="vLLM's own Scheduler (the vLLM class in the swapped class's MRO) put back",
-    related_pr=_TAKE_OVER_PR,
-    future_plan=_TAKE_OVER_PLAN,
     owner=scheduler_module,
     attribute="Scheduler",
     replacement=provided_by("vllm_balance.takeover"),
 )
 
+# vllm.v1.core.sched.async_scheduler.AsyncScheduler (take-over)
+#   Why:
+#     AsyncScheduler binds Scheduler when its module is first imported; imported after vllm-ascend's
+#     swap (its platform imports recompute_scheduler, which imports it), its base is vllm-ascend's
+#     BalanceScheduler and the schedule() copy sits in its MRO
+#   How:
+#     when the class has a vllm-ascend class in its MRO: the module's code executed again (not
+#     re-imported) with vLLM's Scheduler back in place, its AsyncScheduler put back
 TAKE_OVER_ASYNC_SCHEDULER = RuntimePatch(
     name="vllm.v1.core.sched.async_scheduler.AsyncScheduler (take-over)",
-    why=(
-        "AsyncScheduler binds Scheduler when its module is first imported; imported after "
-        "vllm-ascend's swap (its platform imports recompute_scheduler, which imports it), its "
-        "base is vllm-ascend's BalanceScheduler and the schedule() copy sits in its MRO"
-    ),
-    how=(
-        "when the class has a vllm-ascend class in its MRO: the module's code executed again "
-        "(not re-imported) with vLLM's Scheduler back in place, its AsyncScheduler put back"
-    ),
-    related_pr=_TAKE_OVER_PR,
-    future_plan=_TAKE_OVER_PLAN,
     owner=async_scheduler_module,
     attribute="AsyncScheduler",
     replacement=provided_by("vllm_balance.takeover"),
 )
 
+# vllm.v1.engine.core.DPEngineCoreProc (take-over)
+#   How:
+#     vLLM's own DPEngineCoreProc (the vLLM class in the swapped class's MRO) put back
 TAKE_OVER_DP_ENGINE_CORE = RuntimePatch(
     name="vllm.v1.engine.core.DPEngineCoreProc (take-over)",
-    why=_TAKE_OVER_WHY,
-    how="vLLM's own DPEngineCoreProc (the vLLM class in the swapped class's MRO) put back",
-    related_pr=_TAKE_OVER_PR,
-    future_plan=_TAKE_OVER_PLAN,
     owner=engine_core_module,
     attribute="DPEngineCoreProc",
     replacement=provided_by("vllm_balance.takeover"),
 )
 
+# EngineCoreProc.run_engine_core (take-over)
+#   How:
+#     vLLM's own function (found by walking the wrappers) put back as the staticmethod
 TAKE_OVER_RUN_ENGINE_CORE = RuntimePatch(
     name="EngineCoreProc.run_engine_core (take-over)",
-    why=_TAKE_OVER_WHY,
-    how="vLLM's own function (found by walking the wrappers) put back as the staticmethod",
-    related_pr=_TAKE_OVER_PR,
-    future_plan=_TAKE_OVER_PLAN,
     owner=_engine_core_proc,
     attribute="run_engine_core",
     replacement=provided_by("vllm_balance.takeover"),

@@ -38,7 +38,7 @@ import sys
 from typing import Any
 
 from vllm_balance import registry
-from vllm_balance.config import TAKE_OVER_KEY, _additional_value
+from vllm_balance.config import TAKE_OVER_KEY, additional_value
 from vllm_balance.log import logger
 from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER, TAKE_OVER_PATCHES
 
@@ -176,7 +176,7 @@ def vllm_run_engine_core() -> Any:
 
 def vllm_ascend_feature_enabled(vllm_config: Any, key: str) -> bool:
     """vllm-ascend's ``<key>.enabled`` (nested form wins, as in its config)."""
-    _, value = _additional_value(vllm_config, key)
+    _, value = additional_value(vllm_config, key)
     return isinstance(value, dict) and value.get("enabled") is True
 
 

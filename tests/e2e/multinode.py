@@ -61,7 +61,7 @@ HTTP_PORT = 8000
 # headless node's part of the start-up; the head's /health answers once every node's has.
 ENGINE_READY = "init engine (profile, create kv cache, warmup model) took"
 # The deliberate bug for the metrics assertion's negative control: a test-plugin variant run on
-# the headless node only (``VLLM_BALANCE_E2E_HEADLESS_VARIANT=drop_metrics``, docs/e2e.md).
+# the headless node only (``VLLM_BALANCE_E2E_HEADLESS_VARIANT=drop_metrics``, docs/testing.md).
 HEADLESS_VARIANT_ENV = "VLLM_BALANCE_E2E_HEADLESS_VARIANT"
 
 # Faults. The headless engine core stays stopped this long: longer than the watchdog's

@@ -38,7 +38,7 @@ BALANCE_ON = {"enable_balance_scheduling": True, "balance_log_interval_s": 0.5}
 LOAD_REQUESTS = 48
 # Then single requests, each after the previous finished: each one starts a DP wave on an idle
 # server with one rank busy and the other woken with nothing to run (the load on which the
-# lesson A and B placements hang every time: tests/e2e/test_controls.py).
+# lesson A and B placements hang every time; tests/e2e/test_controls.py runs lesson A's).
 WAVES = 3
 # A healthy tiny-model server streams a token every few tens of ms even on a loaded machine.
 STALL_S = 60.0

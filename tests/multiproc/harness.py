@@ -15,7 +15,7 @@ own encoders (``MsgpackEncoder`` / ``MsgpackDecoder``, ``EngineCoreRequest``):
   to (READY on subscription, START_DP_WAVE broadcasts), PULL for ``wave_complete`` /
   ``start_wave`` / stats. Playing it here (instead of starting vLLM's coordinator process) makes
   START_DP_WAVE delivery scriptable, which turns timing-dependent wave-boundary races into
-  deterministic traces. See docs/deadlocks.md for what exactly is bypassed.
+  deterministic traces. See docs/testing.md for what exactly is bypassed.
 
 A trace is a list of events (``events.py``). ``Cluster.run_trace`` plays it, waits for the wave
 to end, fetches every rank's records through a UTILITY request on the real input queue, and

@@ -19,11 +19,7 @@ Modes:
 
 Observation only (no behaviour change): ``torch.distributed.all_gather`` and the built scheduler
 class's ``schedule`` are wrapped to append records (see ``records.py``), and SIGUSR1 dumps every
-thread's stack to a file so a hang can be attributed. Under ``balance_collective:
-"recursive_doubling"`` the reduction is wrapped too, and it adds a shadow all_gather of the same
-counts on the same group right after it (every rank, same place): the gather record then holds
-both, so ``check_trace`` compares the reduction with the all_gather at every step. The env var
-``VBH_REDUCE`` = ``late_fold_in`` swaps in the negative control of ``variants.py``.
+thread's stack to a file so a hang can be attributed.
 """
 
 from __future__ import annotations
@@ -52,27 +48,6 @@ def _instrument_all_gather() -> None:
         return work
 
     dist.all_gather = all_gather
-    _instrument_reduction(upstream_all_gather)
-
-
-def _instrument_reduction(upstream_all_gather: Any) -> None:
-    import torch
-
-    from tests.multiproc import records, variants
-    from vllm_balance.shim import collective
-
-    reduce = {"late_fold_in": variants.late_fold_in_reduce}.get(
-        os.environ.get("VBH_REDUCE", ""), collective.reduce_running
-    )
-
-    def reduce_running(running: int, group: Any) -> Any:
-        reduced = reduce(running, group)
-        shadow = [torch.zeros(1, dtype=torch.int32) for _ in range(group.size())]
-        upstream_all_gather(shadow, torch.tensor([running], dtype=torch.int32), group=group)
-        records.append("gather", queue=[int(t) for t in shadow], reduced=list(reduced))
-        return reduced
-
-    collective.reduce_running = reduce_running
 
 
 def _instrument_scheduler_class(scheduler_cls: type) -> None:

@@ -3,7 +3,7 @@ gather placements that deadlocked in production hang on their designated traces.
 
 Each DP rank is a real engine-core process (upstream ``run_engine_core`` -> ``DPEngineCoreProc``
 busy loop, gloo DP group, balance scheduler); only the model forward is a stand-in that joins one
-collective per step, as an MoE forward with expert parallelism does. See docs/deadlocks.md.
+collective per step, as an MoE forward with expert parallelism does. See docs/testing.md.
 """
 
 from __future__ import annotations

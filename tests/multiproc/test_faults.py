@@ -1,6 +1,6 @@
 """SIGKILL one rank mid-run: balance must leave the survivors no worse off than upstream's loop.
 
-What survivors do is measured, not assumed (numbers in docs/deadlocks.md): the same scenario runs
+What survivors do is measured, not assumed (numbers in docs/testing.md): the same scenario runs
 against upstream's own DP loop with balance off (``baseline``) and with the shipped hook
 (``balance``). Upstream's survivors fail loudly: they exit with an error and tell the front end
 (ENGINE_CORE_DEAD). "Worse" would be a survivor that balance leaves hanging or silent, or one that

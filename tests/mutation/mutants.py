@@ -86,7 +86,7 @@ def _mutate_derived(name: str, change: Callable[[str], str]) -> None:
 
 
 def gate_only_before_loop() -> None:
-    """The whole WAITING stop decision taken once when ``schedule()`` starts (see mutation.md).
+    """The whole WAITING stop decision taken once when ``schedule()`` starts (docs/testing.md).
 
     Compat only: on the hold-only seam upstream's slot check stays inline, so the shim cannot
     take that decision at all."""

@@ -3,7 +3,7 @@
 
     python tests/mutation/run.py                    # baseline + every mutant of the active path
     python tests/mutation/run.py --mutant gate_wrong_cap --profile soak
-    python tests/mutation/run.py --write-doc        # also update the kill table in docs/mutation.md
+    python tests/mutation/run.py --write-doc        # also update the kill table in docs/testing.md
 
 One pytest process per mutant (the mutant is applied by the ``pytest_mutant`` plugin before any
 test module is imported), on the installed vLLM: the compat path without the seam, the shim path
@@ -25,14 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from junit import junit_outcomes
+from mutants import MUTANTS
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-from junit import junit_outcomes  # noqa: E402
-from mutants import MUTANTS  # noqa: E402
 
-DOC = ROOT / "docs" / "mutation.md"
+DOC = ROOT / "docs" / "testing.md"
 SUITE = ["tests/test_differential.py", "tests/test_gate_oracle.py", "tests/test_contract.py"]
 # The Phase 2A copy's own tests: delta 3 is reachable only through a selection returning None.
 COMPAT_SUITE = ["tests/test_compat_behaviour.py", "tests/test_compat_derive.py"]
@@ -84,7 +83,7 @@ def active_path() -> str:
 
 def table(path: str, vllm_version: str, rows: list[dict], command: str) -> str:
     lines = [
-        f"### {path} path (vLLM {vllm_version})",
+        f"#### {path} path (vLLM {vllm_version})",
         "",
         f"`{command}`",
         "",

@@ -20,12 +20,10 @@ of Origin is the sender's statement).
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from series import (  # noqa: E402
+from series import (
     HERE,
     PatchError,
     all_series,

@@ -19,13 +19,12 @@ each commit since ``BASE_COMMIT`` back as a series file. Same commits, same byte
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from seam_patch import PatchError, commit_message, git
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-from seam_patch import PatchError, commit_message, git  # noqa: E402
 
 # vllm-ascend main, fetched 2026-11-30: "[Test] add memcache dsv4-flash weekly case (#14760)".
 BASE_COMMIT = "182b75ea84ff13ece27b57391331ef8935410aea"

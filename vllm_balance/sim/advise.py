@@ -29,8 +29,8 @@ Every answer states what it rests on (:func:`basis`): how often the gate froze (
 difference is the gather's own cost alone, and it says so), whether ``off``'s or ``on``'s queue
 grew over the run (then their TTFT numbers grow with the run's length, and are labelled so),
 the verdict at each step-model variant, and the metrics the seeds did not settle. The bounded
-hold's advice is labelled simulated only: the one real measurement (docs/results.md,
-bench-serve, a DP=2 CPU server) measured it below plain ``on`` at every rate.
+hold's advice is labelled simulated only: both real measurements (docs/results.md: bench-serve,
+a DP=2 CPU server; the emulated device at DP=4/8) measured it below plain ``on``.
 """
 
 from __future__ import annotations
@@ -72,10 +72,10 @@ SHARED_SPREAD = 0.25
 # fluctuating (metrics.queue_growth: steady runs stay within +-0.02, off at 1.2x grows 0.17-0.25).
 QUEUE_GROWTH = 0.05
 
-ENABLE_CONFIG = '{"enable_balance_scheduling": true}'
 HOLD_CAVEAT = (
-    "Simulated only: the one real measurement (docs/results.md, bench-serve: a DP=2 CPU server, "
-    "4 rates) measured bounded-hold:8 below plain on at every rate."
+    "Simulated only: both real measurements (docs/results.md: bench-serve, a DP=2 CPU server at "
+    "4 rates; the emulated device at DP=4/8 from the knee up) measured bounded-hold:8 below "
+    "plain on."
 )
 MEASURE = {
     "gather_ms": "the gather's time per step with balance on, on /metrics: "
@@ -273,7 +273,8 @@ def headline(e: Evidence) -> tuple[Category, list[str]]:
         return DEPENDS, lines
     category = OF_VERDICT[decision]
     first = {
-        HELPS: f"Recommendation: ENABLE balance scheduling (additional_config {ENABLE_CONFIG}).",
+        HELPS: "Recommendation: ENABLE balance scheduling "
+        f"(additional_config {operator_config()}).",
         HURTS: "Recommendation: DO NOT ENABLE balance scheduling.",
         MIXED: "Recommendation: TRADE-OFF. Enable balance scheduling only if what it makes "
         "better matters more to you than what it makes worse.",
@@ -357,11 +358,20 @@ def basis(e: Evidence) -> list[str]:
     return ["What this rests on:"] + [f"  - {line}" for line in lines]
 
 
+def operator_config(options: dict | None = None) -> str:
+    """The ``additional_config`` JSON an operator passes to enable balance (and ``options``)."""
+    from vllm_balance.config import ENABLE_KEY  # at call time: the CLI imports no vLLM before
+
+    return json.dumps({ENABLE_KEY: True, **(options or {})})
+
+
 def hold_lines(e: Evidence, decision: str) -> list[str]:
     """The bounded hold, labelled simulated only: what to add to (or use instead of) the gate."""
+    from vllm_balance.config import MAX_FROZEN_STEPS_KEY
+
     steps = int(e.hold.split(":")[1])
-    key = f"balance_max_frozen_steps: {steps}"
-    config = json.dumps({"enable_balance_scheduling": True, "balance_max_frozen_steps": steps})
+    key = f"{MAX_FROZEN_STEPS_KEY}: {steps}"
+    config = operator_config({MAX_FROZEN_STEPS_KEY: steps})
     if decision in (HELPS, MIXED):
         extra = judge(e.hold_vs_on)
         if extra == HELPS:

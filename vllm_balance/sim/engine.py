@@ -104,24 +104,6 @@ def _rank_work(scheduler: Any, output: Any) -> RankWork:
     return RankWork(prefill_tokens, decode_requests, kv_tokens)
 
 
-def gather_buffer(balance_queue: list) -> Any:
-    """The one buffer behind a rank's ``balance_queue``, or None if it has none.
-
-    The product's queue is consecutive one-element views of one int32 buffer (its gate reads
-    them with one reduction), so one copy into that buffer writes what ``all_gather`` writes
-    element by element. Checked once per rank when the cluster is built: DP element writes per
-    rank per step would make a DP=256 step cost DP^2 = 65k tensor ops.
-    """
-    base = balance_queue[0]._base
-    consecutive = all(
-        t._base is base and t.numel() == 1 and t.storage_offset() == i
-        for i, t in enumerate(balance_queue)
-    )
-    if base is None or not consecutive or base.shape != (len(balance_queue),):
-        return None
-    return base
-
-
 def _rank_config(vllm_config: Any, rank: int) -> Any:
     """A copy of the cluster's config for one DP rank (its log lines say which rank)."""
     rank_config = copy.deepcopy(vllm_config)
@@ -159,9 +141,6 @@ class Cluster:
         cls = policy.scheduler_class()
         self.schedulers = [
             make_scheduler(cls, _rank_config(vllm_config, rank)) for rank in range(config.dp_size)
-        ]
-        self._gather_buffers = [
-            gather_buffer(s.balance_queue) if policy.balance else None for s in self.schedulers
         ]
         self.now_s = 0.0
         self.next_arrival = 0
@@ -213,12 +192,8 @@ class Cluster:
             # The collective itself takes time; the next step starts after it (contract 3).
             self.now_s += self.step_model.gather_cost_ms(self.config.dp_size) / 1000.0
             vector = torch.tensor(counts, dtype=torch.int32)
-            for scheduler, buffer in zip(self.schedulers, self._gather_buffers):
-                if buffer is not None and scheduler.balance_queue[0]._base is buffer:
-                    buffer.copy_(vector)
-                else:
-                    for tensor, count in zip(scheduler.balance_queue, counts):
-                        tensor.fill_(count)
+            for scheduler in self.schedulers:
+                scheduler.set_gathered(vector)
                 # What balance_gather() does right after its all_gather: the product's own
                 # accounting (stats, the opt-in bounded hold) sees the same vector.
                 scheduler.observe_gathered()

@@ -84,9 +84,11 @@ class Policy:
 
     def additional_config(self) -> dict | None:
         """The ranks' ``additional_config``: how an operator would configure this policy."""
+        from vllm_balance.config import ENABLE_KEY, LOG_INTERVAL_KEY
+
         if not self.balance:
             return None
-        return {"enable_balance_scheduling": True, "balance_log_interval_s": self.log_interval_s}
+        return {ENABLE_KEY: True, LOG_INTERVAL_KEY: self.log_interval_s}
 
     def scheduler_class(self) -> type:
         return upstream_scheduler_class()
@@ -127,7 +129,9 @@ class BoundedHoldPolicy(ContractPolicy):
         self.name = f"bounded-hold:{max_frozen_steps}"
 
     def additional_config(self) -> dict | None:
-        return {**super().additional_config(), "balance_max_frozen_steps": self.max_frozen_steps}
+        from vllm_balance.config import MAX_FROZEN_STEPS_KEY
+
+        return {**super().additional_config(), MAX_FROZEN_STEPS_KEY: self.max_frozen_steps}
 
 
 class VllmCadencePolicy(Policy):

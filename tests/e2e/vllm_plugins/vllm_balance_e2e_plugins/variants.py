@@ -7,7 +7,6 @@ variant (``tests/multiproc/variants.py``, one definition for both test beds):
 
 - ``lesson_a``: the gather at the top of ``schedule()``, and an engine core that only injects
   the DP group (no gather after ``_has_global_unfinished_reqs``);
-- ``lesson_b``: the gather at the end of ``_process_engine_step()``;
 - ``drop_metrics``: the balance counters never join vLLM's stats (the metrics route's deliberate
   bug: run on a headless node only, the head's /metrics must miss that node's ranks; nothing
   else changes).
@@ -26,7 +25,7 @@ import logging
 import os
 
 VARIANT_ENV = "VLLM_BALANCE_E2E_VARIANT"
-VARIANTS = ("lesson_a", "lesson_b", "drop_metrics")
+VARIANTS = ("lesson_a", "drop_metrics")
 logger = logging.getLogger("vllm.balance_e2e.variants")
 
 
@@ -42,19 +41,17 @@ def install_variant(variant: str) -> None:
     from tests.multiproc import variants
     from vllm_balance import activation, registry
 
-    if variant == "lesson_a":
-        select_shipped = activation.select_scheduler_cls
+    assert variant == "lesson_a", variant
+    select_shipped = activation.select_scheduler_cls
 
-        def select_gather_in_schedule(vllm_config):
-            scheduler_cls = variants.gather_in_schedule_scheduler(select_shipped(vllm_config))
-            vllm_config.scheduler_config.scheduler_cls = scheduler_cls
-            return scheduler_cls
+    def select_gather_in_schedule(vllm_config):
+        scheduler_cls = variants.gather_in_schedule_scheduler(select_shipped(vllm_config))
+        vllm_config.scheduler_config.scheduler_cls = scheduler_cls
+        return scheduler_cls
 
-        # activation.activate_for looks both names up at call time.
-        activation.select_scheduler_cls = select_gather_in_schedule
-        registry.DP_ENGINE_CORE_SWAP.replacement = lambda: variants.InjectDpGroupEngine
-    else:
-        registry.DP_ENGINE_CORE_SWAP.replacement = lambda: variants.GatherInEngineStepEngine
+    # activation.activate_for looks both names up at call time.
+    activation.select_scheduler_cls = select_gather_in_schedule
+    registry.DP_ENGINE_CORE_SWAP.replacement = lambda: variants.InjectDpGroupEngine
     logger.warning("NEGATIVE CONTROL %s: the gather is NOT at the shipped place", variant)
 
 
