@@ -271,6 +271,20 @@ def test_balance_that_cannot_act_warns_and_installs_nothing(caplog, config_kwarg
     assert config.scheduler_config.scheduler_cls is None
 
 
+@pytest.mark.parametrize("config_kwargs", [dict(dp=1), dict(moe=False)], ids=["dp1", "dense"])
+def test_a_bad_key_is_an_error_even_where_balance_then_installs_nothing(config_kwargs):
+    # The keys are read once, before the DP and MoE checks: a typo is found on the first start.
+    config = dp_config(**config_kwargs, additional_config={**ENABLED, "balance_collective": "ring"})
+    with pytest.raises(ValueError, match="balance_collective must be one of"):
+        activation.activate_for(config)
+    assert core_module.DPEngineCoreProc is DPEngineCoreProc
+
+
+def test_a_bad_key_is_not_read_with_balance_off():
+    config = dp_config(additional_config={"balance_collective": "ring"})
+    assert activation.activate_for(config) is False
+
+
 ASCEND_PATCH_MODULE = "vllm_ascend.patch.platform.patch_balance_schedule"
 
 
