@@ -253,11 +253,7 @@ def package(session: nox.Session) -> None:
     session.install("build==1.6.1", "twine==7.0.0")
     dist = Path(session.create_tmp()).resolve() / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    egg_info = ROOT / "vllm_balance_scheduling.egg-info"
-    left_before = egg_info.exists()
     session.run("python", "-m", "build", "--outdir", str(dist))
-    if not left_before:  # setuptools writes it into the checkout; later test sessions there put
-        shutil.rmtree(egg_info, ignore_errors=True)  # the root on sys.path and see two copies
     built = sorted(str(p) for p in dist.iterdir())
     session.run("twine", "check", "--strict", *built)
     session.install("--no-deps", "-r", "requirements/test-cpu.txt")
