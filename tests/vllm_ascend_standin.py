@@ -40,12 +40,12 @@ GENERAL_PLUGINS = "vllm.general_plugins"
 _IDENTITY = ("-c", "user.name=vllm-balance tests", "-c", "user.email=tests@localhost")
 
 
-def load_series_module():
-    """``upstream_patch/vllm-ascend/series.py`` (its folder name is not an import name)."""
+def load_vllm_ascend_script(name: str):
+    """A module of ``upstream_patch/vllm-ascend/`` (its folder name is not an import name)."""
     import importlib.util
 
-    path = REPO / "upstream_patch" / "vllm-ascend" / "series.py"
-    spec = importlib.util.spec_from_file_location("vllm_ascend_series", path)
+    path = REPO / "upstream_patch" / "vllm-ascend" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"vllm_ascend_{name}", path)
     assert spec is not None and spec.loader is not None
     module = sys.modules.get(spec.name)
     if module is None:
@@ -53,6 +53,11 @@ def load_series_module():
         sys.modules[spec.name] = module  # dataclasses look their module up there
         spec.loader.exec_module(module)
     return module
+
+
+def load_series_module():
+    """``upstream_patch/vllm-ascend/series.py``."""
+    return load_vllm_ascend_script("series")
 
 
 def installed_vllm_version() -> str:
@@ -99,10 +104,25 @@ def _general_plugins_only(entry_points: str) -> str:
     return section.rstrip() + "\n"
 
 
-def series_for(release: str) -> Path | None:
-    """The series directory whose base is ``release`` (``v<release>/``), or None."""
-    directory = REPO / "upstream_patch" / "vllm-ascend" / f"v{release}"
+def series_for(release: str, pr: str) -> Path | None:
+    """The series of pull request ``pr`` whose base is ``release`` (``v<release>/<pr>/``)."""
+    directory = REPO / "upstream_patch" / "vllm-ascend" / f"v{release}" / pr
     return directory if directory.is_dir() else None
+
+
+def sdist_tree(release: str, into: Path) -> Path:
+    """The release's sdist unpacked under ``into`` as a one-commit git tree (its blob ids are
+    the tag's, so the series' rewrites check out); returns the tree."""
+    from seam_patch import fetch_sdist
+
+    with tarfile.open(fetch_sdist(release, "vllm-ascend")) as tar:
+        tar.extractall(into, filter="data")
+    [source] = [p for p in into.iterdir() if p.name.startswith("vllm_ascend-")]
+    module = load_series_module()
+    module.git(source, "init", "-q")
+    module.git(source, "add", "-A")
+    module.git(source, *_IDENTITY, "commit", "-qm", "sdist")
+    return source
 
 
 def prepared_root(release: str, vllm: str, series: Path | None = None) -> Path:
@@ -147,6 +167,16 @@ def prepared_root(release: str, vllm: str, series: Path | None = None) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+def root_from_tree(tree: Path) -> Path:
+    """A directory to put on ``sys.path`` with a vllm-ascend work tree's ``vllm_ascend`` package
+    as it is now (a checkout at any commit, a series or ``phase2a.py`` applied) and its
+    ``_build_info.py``; a new one per call, under the cache."""
+    root = Path(tempfile.mkdtemp(prefix="vllm-ascend-tree-", dir=_cache()))
+    shutil.copytree(tree / "vllm_ascend", root / "vllm_ascend")
+    (root / "vllm_ascend" / "_build_info.py").write_text('__device_type__ = "A2"\n')
+    return root
 
 
 def apply_series_to_sdist(source: Path, series: Path) -> None:
