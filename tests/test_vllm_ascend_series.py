@@ -49,6 +49,7 @@ def test_one_series_per_pull_request_and_base():
         f"{series.BASE_COMMIT[:8]}/srf",
         "v0.30.0rc2/phase2a",
         "v0.30.0rc2/phase2b",
+        "v0.30.0rc2/plugin",
         "v0.30.0rc2/srf",
     ]
 
@@ -83,7 +84,9 @@ def test_only_phase2b_rewrites_a_file_whole_and_only_the_copy(directory):
 
 
 def test_phase2b_balance_scheduler_overrides_the_seam_and_copies_nothing():
-    text = series.post_image(series.BALANCE_MODULE, REPO / "upstream_patch/vllm-ascend/v0.30.0rc2/phase2b")
+    text = series.post_image(
+        series.BALANCE_MODULE, REPO / "upstream_patch/vllm-ascend/v0.30.0rc2/phase2b"
+    )
     module = ast.parse(text)
     [cls] = [n for n in module.body if isinstance(n, ast.ClassDef) and n.name == "BalanceScheduler"]
     methods = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
@@ -246,3 +249,15 @@ def test_phase2b_series_passes_vllm_ascends_balance_tests_on_the_seam(
     probe = tree / "tests/ut/test_balance_hooks_probe.py"
     shutil.copyfile(REPO / "tests/vllm_ascend_hooks_probe.py", probe)
     assert run_ut.run_file(tree, str(probe.relative_to(tree))) == {"passed": 2}
+
+
+def test_plugin_series_leaves_the_packages_keys_to_it_and_refuses_typos(
+    release, tmp_path_factory, run_ut
+):
+    directory = series_for(release.release, "plugin")
+    if directory is None:
+        pytest.skip(f"no plugin series is based on vllm-ascend {release.release}")
+    tree = sdist_tree(release.release, tmp_path_factory.mktemp("plugin"))
+    series.apply_series(tree, IDENTITY, series.patches(directory))
+    run_ut.write_build_info(tree)
+    assert run_ut.run_file(tree, "tests/ut/test_balance_plugin_keys.py") == {"passed": 5}

@@ -19,7 +19,10 @@ from tests.ut.patch.platform.test_patch_balance_schedule import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-HOOK_FILES = ("vllm_ascend/profiling_config.py", "vllm_ascend/observability/config/base_metrics.yaml")
+HOOK_FILES = (
+    "vllm_ascend/profiling_config.py",
+    "vllm_ascend/observability/config/base_metrics.yaml",
+)
 BALANCE_SCHEDULE = "vllm_ascend.patch.platform.patch_balance_schedule:BalanceScheduler.schedule"
 STEPS = 3
 

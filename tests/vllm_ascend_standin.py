@@ -287,6 +287,42 @@ def _ascend_config() -> dict | None:
     return {"enable_balance_scheduling": scheduler_config.enable_balance_scheduling}
 
 
+def run_engine_core_reach(start) -> list:
+    """The functions a call of ``start`` can pass through, ``start`` first (an observation for
+    the reports; the package itself never walks another package's globals).
+
+    Ours calls ``RUN_ENGINE_CORE_WRAPPER.upstream()``; vllm-ascend's wrappers (functions named
+    ``*run_engine_core``, like vLLM's) call what they captured in module globals
+    (``_OriginalRunEngineCore``, ``_PreviousRunEngineCore``, ``_UpstreamRunEngineCore`` at
+    vllm-ascend 182b75ea). The walk stops at vLLM's own function.
+    """
+    from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
+
+    def function(value):
+        value = value.__func__ if isinstance(value, staticmethod) else value
+        return value if callable(value) and hasattr(value, "__code__") else None
+
+    ours = function(RUN_ENGINE_CORE_WRAPPER.replacement())
+    found: list = []
+    todo = [function(start)]
+    while todo:
+        current = todo.pop(0)
+        if current is None or current in found:
+            continue
+        found.append(current)
+        if current is ours:
+            todo.append(RUN_ENGINE_CORE_WRAPPER.upstream())
+        elif is_vllm_ascend_name(qualified(current)):
+            module = sys.modules.get(current.__module__)
+            if module is not None:
+                todo.extend(
+                    function(v)
+                    for v in vars(module).values()
+                    if function(v) is not None and function(v).__name__.endswith("run_engine_core")
+                )
+    return found
+
+
 def vllm_name_facts() -> dict:
     """Where the names balance scheduling cares about point in this process."""
     import vllm.v1.core.sched.async_scheduler as async_module
@@ -294,7 +330,6 @@ def vllm_name_facts() -> dict:
     import vllm.v1.engine.core as core_module
 
     from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
-    from vllm_balance.takeover import run_engine_core_reach
 
     return {
         "Scheduler": qualified(scheduler_module.Scheduler),

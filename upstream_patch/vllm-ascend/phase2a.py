@@ -122,11 +122,15 @@ def import_lines(names: set[str], vllm_module: ast.Module) -> list[str]:
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     if (alias.asname or alias.name.split(".")[0]) == name:
-                        found = f"import {alias.name}" + (f" as {alias.asname}" if alias.asname else "")
+                        found = f"import {alias.name}" + (
+                            f" as {alias.asname}" if alias.asname else ""
+                        )
         if found is None and name in _bound_names(vllm_module.body):
             found = f"from {SCHEDULER_MODULE} import {name}"
         if found is None:
-            raise GenerateError(f"schedule() reads {name!r}, which vLLM's scheduler module does not bind")
+            raise GenerateError(
+                f"schedule() reads {name!r}, which vLLM's scheduler module does not bind"
+            )
         lines.append(found + "\n")
     return lines
 
@@ -138,7 +142,9 @@ def refreshed_module(ascend_text: str, vllm_source: str, vllm_version: str, orig
     classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == CLASS_NAME]
     if len(classes) != 1:
         raise GenerateError(f"{BALANCE_MODULE} has {len(classes)} classes {CLASS_NAME}")
-    methods = [n for n in classes[0].body if isinstance(n, ast.FunctionDef) and n.name == "schedule"]
+    methods = [
+        n for n in classes[0].body if isinstance(n, ast.FunctionDef) and n.name == "schedule"
+    ]
     if len(methods) != 1:
         raise GenerateError(f"{CLASS_NAME} has {len(methods)} schedule() methods")
     old = methods[0]

@@ -80,12 +80,12 @@ def main() -> int:
             print(f"{path}: not in this tree")
             continue
         results[path] = counts = run_file(tree, path)
-        shown = {k: v for k, v in counts.items() if isinstance(v, int)}
+        shown = {k: v for k, v in counts.items() if isinstance(v, int) and not isinstance(v, bool)}
         print(f"{path}: {shown or counts}")
     total: dict[str, int] = {}
     for counts in results.values():
         for key, value in counts.items():
-            if isinstance(value, int):
+            if isinstance(value, int) and not isinstance(value, bool):
                 total[key] = total.get(key, 0) + value
     print(f"total: {total}")
     if args.report:

@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 # vllm-ascend main, fetched 2026-11-30: "[Test] add memcache dsv4-flash weekly case (#14760)".
 BASE_COMMIT = "182b75ea84ff13ece27b57391331ef8935410aea"
 # The pull requests, in the order they are meant to merge (each README row says what it needs).
-PRS = ("srf", "phase2a", "phase2b")
+PRS = ("srf", "phase2a", "phase2b", "plugin")
 RELEASE_SERIES_PREFIX = "v"
 VERSION_FILE = "vllm_ascend/_version.py"
 BALANCE_MODULE = "vllm_ascend/patch/platform/patch_balance_schedule.py"
@@ -80,7 +80,9 @@ def base_for_tree(tree: Path) -> str:
             release is not None and base == f"{RELEASE_SERIES_PREFIX}{release}"
         ):
             return base
-    raise PatchError(f"no series for {tree} (HEAD {head[:12]}, release {release}); bases: {bases()}")
+    raise PatchError(
+        f"no series for {tree} (HEAD {head[:12]}, release {release}); bases: {bases()}"
+    )
 
 
 def series_dir(base: str, pr: str) -> Path:
