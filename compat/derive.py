@@ -122,8 +122,11 @@ class Deltas:
     ``Deltas`` here, so the anchors, the checks and the splicing are these.
     """
 
-    gate: tuple[str, ...] = DELTA_GATE
-    hold_flag: tuple[str, ...] | None = DELTA_HOLD_FLAG
+    # None: this package's own (the module constants, read at derivation time like the others,
+    # so tests/mutation/ can change them).
+    gate: tuple[str, ...] | None = None
+    hold_flag: tuple[str, ...] | None = None
+    with_hold_flag: bool = True
     capacity: bool = True  # delta 4, where upstream has the guard
 
 
@@ -395,7 +398,7 @@ def _deltas_named(queue_assert: bool, capacity: bool) -> str:
 
 
 def derive_source(
-    module_source: str, vllm_version: str, origin: str = "", deltas: Deltas = Deltas()
+    module_source: str, vllm_version: str, origin: str = "", deltas: Deltas | None = None
 ) -> DerivedSource:
     """Splice the deltas into ``Scheduler.schedule`` of ``module_source``.
 
@@ -403,6 +406,7 @@ def derive_source(
     whole lines (delta 4 extends one line's condition), so everything else stays upstream's
     text, comments included.
     """
+    deltas = deltas or Deltas()
     fn = find_schedule(ast.parse(module_source), vllm_version)
     _check_signature(fn, vllm_version)
     loop = waiting_loop(fn, vllm_version)
@@ -421,10 +425,11 @@ def derive_source(
     disabled_at = _last_line(first) if has_docstring else _body_start(fn, fn.body, lines)
     edits: list[Edit] = [
         (disabled_at, 0, _indented(DELTA_DISABLED_PATH, first.col_offset)),
-        (_last_line(slot_check), 0, _indented(deltas.gate, slot_check.col_offset)),
+        (_last_line(slot_check), 0, _indented(deltas.gate or DELTA_GATE, slot_check.col_offset)),
     ]
-    if deltas.hold_flag is not None:
-        edits.append((_first_line(loop) - 1, 0, _indented(deltas.hold_flag, loop.col_offset)))
+    if deltas.with_hold_flag:
+        hold_flag = deltas.hold_flag or DELTA_HOLD_FLAG
+        edits.append((_first_line(loop) - 1, 0, _indented(hold_flag, loop.col_offset)))
     if queue_assert is not None:
         _starts_line(queue_assert, lines, QUEUE_ASSERT, vllm_version)
         _ends_line(queue_assert, lines, QUEUE_ASSERT, vllm_version)
