@@ -220,7 +220,7 @@ def takeover(session: nox.Session) -> None:
     """Take-over and the vllm-ascend series against vllm-ascend's own released source: each
     release in pins/vllm-ascend.txt on the vLLM it targets (pytest arguments after --); then
     vLLM's own test_scheduler.py on upstream's, this package's and that release's own
-    BalanceScheduler (run_vllm_tests.py --balance --vllm-ascend; upstream_patch/vllm-ascend/PR.md).
+    BalanceScheduler (run_vllm_tests.py --balance --vllm-ascend; upstream_patch/vllm-ascend/).
 
     The release-tag venv; the target release's wheel shadows its vLLM (as in `nox -s reach`). A
     test session whose pinned vLLM is such a target runs the same tests by itself.

@@ -16,7 +16,9 @@ rank", weighs this against a per-node exporter):
 - on the wire: msgspec decodes a dataclass by its declared fields and drops the rest, so the API
   server decodes ``EngineCoreOutputs.scheduler_stats`` as ``BalanceSchedulerStats``: a run-time
   patch (``vllm_balance.registry.STATS_DECODED_WITH_BALANCE``) installed by the plugin before vLLM
-  builds its engine client.
+  builds its engine client, where ``VLLM_BALANCE_METRICS=1`` asks for it (the plugin cannot see
+  the config there yet, and with balance off it changes no vLLM object). Without it the API
+  server drops the field and says so once (``log_engine_initialized``).
 
 Increases, not totals, travel: with several API servers (``--api-server-count``), an engine's
 stats go to whichever one has outputs that step, and prometheus_client's multiprocess collector
@@ -34,7 +36,7 @@ from typing import Any
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm.v1.metrics.stats import SchedulerStats
 
-from vllm_balance.config import DEFAULT_LOG_INTERVAL_S, ENABLE_KEY, read_options
+from vllm_balance.config import DEFAULT_LOG_INTERVAL_S, ENABLE_KEY, METRICS_ENV_VAR, read_options
 from vllm_balance.log import logger
 from vllm_balance.shim.stats import BalanceStats
 
@@ -208,12 +210,30 @@ class BalanceStatLogger(AggregateStatLoggerBase):
                 )
 
     def log_engine_initialized(self) -> None:
-        if self.expected:
-            logger.info(
-                "balance metrics: vllm:balance_* of engines %s on /metrics, from the counters "
-                "their SchedulerStats carry",
-                self.engine_indexes,
+        if not self.expected:
+            return
+        if not balance_field_decoded():
+            logger.warning(
+                "balance scheduling is on, but this API server drops the balance counters its "
+                "engines send: set %s=1 on it for vllm:balance_* on /metrics (the per-rank log "
+                "lines are unaffected)",
+                METRICS_ENV_VAR,
             )
+            return
+        logger.info(
+            "balance metrics: vllm:balance_* of engines %s on /metrics, from the counters "
+            "their SchedulerStats carry",
+            self.engine_indexes,
+        )
+
+
+def balance_field_decoded() -> bool:
+    """Whether this process decodes ``EngineCoreOutputs.scheduler_stats`` with the balance field
+    (the plugin's decode patch, installed only where ``VLLM_BALANCE_METRICS=1``)."""
+    from vllm.v1.engine import EngineCoreOutputs
+
+    decoded = EngineCoreOutputs.__dict__["__annotations__"].get("scheduler_stats")
+    return BalanceSchedulerStats.__name__ in str(decoded)
 
 
 def _families() -> dict[str, Any]:

@@ -70,6 +70,83 @@ def test_plugin_with_balance_off_leaves_every_upstream_class_identical():
     assert core_module.EngineCoreProc is EngineCoreProc
 
 
+# A fresh interpreter: every vLLM object (each loaded vllm.* module's attributes and the members
+# of the classes it defines, annotations by content) before and after vLLM's own plugin loader
+# ran this package's plugin, its stat-logger plugin was loaded and the engine-core wrapper decided
+# on a balance-off DP=2 MoE config (what the wrapper does before it calls upstream's function).
+IDENTITY_PROBE = textwrap.dedent(
+    """
+    import importlib, json, sys
+    from factories import make_vllm_config
+    for name in ("vllm.v1.core.sched.scheduler", "vllm.v1.core.sched.async_scheduler",
+                 "vllm.v1.engine.core", "vllm.v1.engine", "vllm.v1.engine.core_client",
+                 "vllm.v1.metrics.stats", "vllm.v1.metrics.loggers", "vllm.v1.serial_utils"):
+        importlib.import_module(name)
+    config = make_vllm_config(moe=True, data_parallel_size=2, additional_config={})
+
+    def snapshot():
+        seen = {}
+        for name, module in list(sys.modules.items()):
+            if module is None or not (name == "vllm" or name.startswith("vllm.")):
+                continue
+            for attr, value in list(vars(module).items()):
+                seen[f"{name}.{attr}"] = id(value)
+                if isinstance(value, type) and value.__module__ == name:
+                    for member, inner in list(vars(value).items()):
+                        seen[f"{name}.{attr}.{member}"] = id(inner)
+                        if member == "__annotations__":
+                            seen[f"{name}.{attr}.{member}[]"] = repr(sorted(inner.items()))
+        return seen
+
+    before = snapshot()
+    import vllm.plugins
+    from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
+    vllm.plugins.load_general_plugins()
+    factories = load_stat_logger_plugin_factories()
+    from vllm_balance import activation
+    active = activation.activate_for(config)
+    after = snapshot()
+    # vllm.plugins: the loader's own bookkeeping (plugins_loaded), vLLM's state, not ours.
+    def changed(then, now):
+        return sorted(k for k in then if k in now and then[k] != now[k]
+                      and not k.startswith("vllm.plugins."))
+    from vllm.v1.engine.core import EngineCoreProc
+    wrapper = EngineCoreProc.__dict__["run_engine_core"].__func__
+    # Negative control: the decode patch the API server gets with VLLM_BALANCE_METRICS=1.
+    from vllm_balance.registry import STATS_DECODED_WITH_BALANCE
+    STATS_DECODED_WITH_BALANCE.install()
+    print(json.dumps({"active": active, "changed": changed(before, after),
+                      "control": changed(after, snapshot()),
+                      "wrapper": f"{wrapper.__module__}.{wrapper.__qualname__}",
+                      "stat_loggers": [f.__name__ for f in factories]}))
+    """
+)
+RUN_ENGINE_CORE_NAME = "vllm.v1.engine.core.EngineCoreProc.run_engine_core"
+
+
+def test_installed_with_balance_off_every_vllm_object_is_upstreams_but_the_pass_through_wrapper():
+    """The one object that differs: ``EngineCoreProc.run_engine_core``, the wrapper a general
+    plugin needs (it is the first code that sees an engine process's config); with balance off
+    it passes straight through. No annotation is rewritten, no class swapped. Control: the
+    probe does see the API server's decode patch (an annotation rewrite) once it is installed."""
+    import json
+    import os
+
+    env = dict(os.environ, VLLM_PLUGINS="balance_scheduling")
+    env.pop("VLLM_BALANCE_METRICS", None)
+    result = subprocess.run(
+        [sys.executable, "-c", IDENTITY_PROBE], capture_output=True, text=True, env=env,
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    facts = json.loads(result.stdout.splitlines()[-1])
+    assert facts["active"] is False
+    assert facts["changed"] == [RUN_ENGINE_CORE_NAME], facts["changed"]
+    assert facts["wrapper"] == "vllm_balance.activation.balance_run_engine_core"
+    assert facts["stat_loggers"] == ["BalanceStatLogger"]
+    assert "vllm.v1.engine.EngineCoreOutputs.__annotations__[]" in facts["control"], facts
+
+
 def test_plugin_is_declared_as_a_vllm_general_plugin():
     from importlib.metadata import entry_points
 
@@ -320,6 +397,27 @@ def test_vllm_ascend_engine_core_patches_refuse_double_activation(monkeypatch, p
     assert message.startswith("balance scheduling is already patched in by vllm-ascend (")
     assert f"{name} -> {ASCEND_PATCH_MODULE}.{foreign.__qualname__}" in message
     assert not swapped
+
+
+@pytest.mark.parametrize("config_kwargs", [dict(dp=1), dict(moe=False)], ids=["dp1", "dense"])
+def test_refusals_only_where_balance_could_act_a_warning_elsewhere(
+    monkeypatch, caplog, config_kwargs
+):
+    """PD-disaggregated and vllm-ascend's own balance patch are refused at DP > 1 with an MoE
+    model only: elsewhere balance installs nothing, so nothing conflicts (vllm-ascend's DP=1
+    configs that set the key start with the package installed)."""
+    import types
+
+    import vllm.v1.core.sched.scheduler as scheduler_module
+
+    module = types.ModuleType("vllm_ascend.patch.platform.patch_balance_schedule")
+    ascend_scheduler = type("BalanceScheduler", (Scheduler,), {"__module__": module.__name__})
+    monkeypatch.setattr(scheduler_module, "Scheduler", ascend_scheduler)
+    config = with_kv_role(monkeypatch, dp_config(**config_kwargs), "kv_producer")
+    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+        assert activation.activate_for(config) is False
+    assert "nothing is installed" in caplog.text
+    assert core_module.DPEngineCoreProc is DPEngineCoreProc
 
 
 def test_vllm_ascend_balance_patch_active_refuses_double_activation(monkeypatch):

@@ -181,3 +181,17 @@ def test_non_boolean_ascend_config_value_is_a_clear_error(ascend_config, shape):
     ascend_config(ASCEND_SHAPES[shape]("true"))
     with pytest.raises(ValueError, match=r"^enable_balance_scheduling must be a boolean .*'true'"):
         enabled_with({"enable_balance_scheduling": True})
+
+
+def test_balance_keys_is_every_key_the_options_read():
+    """The list a host config accepts on the package's behalf (vllm-ascend's carve-out) is the
+    package's key set: every ``balance_*`` key constant, each one read by ``balance_options``."""
+    import inspect
+
+    from vllm_balance import config
+
+    keys = {k: v for k, v in vars(config).items() if k.endswith("_KEY") and isinstance(v, str)}
+    ours = {name: key for name, key in keys.items() if key.startswith("balance_")}
+    assert set(config.BALANCE_KEYS) == set(ours.values())
+    source = inspect.getsource(config.balance_options)
+    assert all(name in source for name in ours)

@@ -25,6 +25,7 @@ from factories import make_scheduler, make_vllm_config
 from vllm.v1.metrics.stats import SchedulerStats
 
 import vllm_balance
+from vllm_balance.config import METRICS_ENV_VAR
 from vllm_balance.shim.metrics import (
     COUNTERS,
     GAP_GAUGE,
@@ -121,9 +122,12 @@ WIRE = textwrap.dedent(
 )
 
 
-def decoded_by_the_api_server(mode: str) -> list:
+def decoded_by_the_api_server(mode: str, metrics_env: str | None = "1") -> list:
+    env = {k: v for k, v in os.environ.items() if k != METRICS_ENV_VAR}
+    if metrics_env is not None:
+        env[METRICS_ENV_VAR] = metrics_env
     result = subprocess.run(
-        [sys.executable, "-c", WIRE, mode], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", WIRE, mode], capture_output=True, text=True, timeout=300, env=env
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1])
@@ -136,6 +140,12 @@ def test_the_api_servers_decoder_keeps_the_balance_field_once_the_plugin_ran():
 def test_without_the_decode_patch_vllms_decoder_drops_the_field():
     """Why the registry's STATS_DECODED_WITH_BALANCE exists (negative control)."""
     assert decoded_by_the_api_server("no-plugin") == [3, "dropped"]
+
+
+def test_without_the_metrics_env_var_the_plugin_leaves_the_decoder_upstreams():
+    """Balance off is the default: the plugin changes no vLLM object but the engine-core wrapper
+    (test_activation.py), so the decoder drops the field until the operator asks for it."""
+    assert decoded_by_the_api_server("plugin", metrics_env=None) == [3, "dropped"]
 
 
 def samples(registry, prefix: str) -> dict[tuple[str, frozenset], float]:

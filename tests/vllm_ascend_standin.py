@@ -40,12 +40,12 @@ GENERAL_PLUGINS = "vllm.general_plugins"
 _IDENTITY = ("-c", "user.name=vllm-balance tests", "-c", "user.email=tests@localhost")
 
 
-def load_series_module():
-    """``upstream_patch/vllm-ascend/series.py`` (its folder name is not an import name)."""
+def load_vllm_ascend_script(name: str):
+    """A module of ``upstream_patch/vllm-ascend/`` (its folder name is not an import name)."""
     import importlib.util
 
-    path = REPO / "upstream_patch" / "vllm-ascend" / "series.py"
-    spec = importlib.util.spec_from_file_location("vllm_ascend_series", path)
+    path = REPO / "upstream_patch" / "vllm-ascend" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"vllm_ascend_{name}", path)
     assert spec is not None and spec.loader is not None
     module = sys.modules.get(spec.name)
     if module is None:
@@ -53,6 +53,11 @@ def load_series_module():
         sys.modules[spec.name] = module  # dataclasses look their module up there
         spec.loader.exec_module(module)
     return module
+
+
+def load_series_module():
+    """``upstream_patch/vllm-ascend/series.py``."""
+    return load_vllm_ascend_script("series")
 
 
 def installed_vllm_version() -> str:
@@ -99,10 +104,25 @@ def _general_plugins_only(entry_points: str) -> str:
     return section.rstrip() + "\n"
 
 
-def series_for(release: str) -> Path | None:
-    """The series directory whose base is ``release`` (``v<release>/``), or None."""
-    directory = REPO / "upstream_patch" / "vllm-ascend" / f"v{release}"
+def series_for(release: str, pr: str) -> Path | None:
+    """The series of pull request ``pr`` whose base is ``release`` (``v<release>/<pr>/``)."""
+    directory = REPO / "upstream_patch" / "vllm-ascend" / f"v{release}" / pr
     return directory if directory.is_dir() else None
+
+
+def sdist_tree(release: str, into: Path) -> Path:
+    """The release's sdist unpacked under ``into`` as a one-commit git tree (its blob ids are
+    the tag's, so the series' rewrites check out); returns the tree."""
+    from seam_patch import fetch_sdist
+
+    with tarfile.open(fetch_sdist(release, "vllm-ascend")) as tar:
+        tar.extractall(into, filter="data")
+    [source] = [p for p in into.iterdir() if p.name.startswith("vllm_ascend-")]
+    module = load_series_module()
+    module.git(source, "init", "-q")
+    module.git(source, "add", "-A")
+    module.git(source, *_IDENTITY, "commit", "-qm", "sdist")
+    return source
 
 
 def prepared_root(release: str, vllm: str, series: Path | None = None) -> Path:
@@ -147,6 +167,16 @@ def prepared_root(release: str, vllm: str, series: Path | None = None) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+def root_from_tree(tree: Path) -> Path:
+    """A directory to put on ``sys.path`` with a vllm-ascend work tree's ``vllm_ascend`` package
+    as it is now (a checkout at any commit, a series or ``phase2a.py`` applied) and its
+    ``_build_info.py``; a new one per call, under the cache."""
+    root = Path(tempfile.mkdtemp(prefix="vllm-ascend-tree-", dir=_cache()))
+    shutil.copytree(tree / "vllm_ascend", root / "vllm_ascend")
+    (root / "vllm_ascend" / "_build_info.py").write_text('__device_type__ = "A2"\n')
+    return root
 
 
 def apply_series_to_sdist(source: Path, series: Path) -> None:
@@ -257,6 +287,42 @@ def _ascend_config() -> dict | None:
     return {"enable_balance_scheduling": scheduler_config.enable_balance_scheduling}
 
 
+def run_engine_core_reach(start) -> list:
+    """The functions a call of ``start`` can pass through, ``start`` first (an observation for
+    the reports; the package itself never walks another package's globals).
+
+    Ours calls ``RUN_ENGINE_CORE_WRAPPER.upstream()``; vllm-ascend's wrappers (functions named
+    ``*run_engine_core``, like vLLM's) call what they captured in module globals
+    (``_OriginalRunEngineCore``, ``_PreviousRunEngineCore``, ``_UpstreamRunEngineCore`` at
+    vllm-ascend 182b75ea). The walk stops at vLLM's own function.
+    """
+    from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
+
+    def function(value):
+        value = value.__func__ if isinstance(value, staticmethod) else value
+        return value if callable(value) and hasattr(value, "__code__") else None
+
+    ours = function(RUN_ENGINE_CORE_WRAPPER.replacement())
+    found: list = []
+    todo = [function(start)]
+    while todo:
+        current = todo.pop(0)
+        if current is None or current in found:
+            continue
+        found.append(current)
+        if current is ours:
+            todo.append(RUN_ENGINE_CORE_WRAPPER.upstream())
+        elif is_vllm_ascend_name(qualified(current)):
+            module = sys.modules.get(current.__module__)
+            if module is not None:
+                todo.extend(
+                    function(v)
+                    for v in vars(module).values()
+                    if function(v) is not None and function(v).__name__.endswith("run_engine_core")
+                )
+    return found
+
+
 def vllm_name_facts() -> dict:
     """Where the names balance scheduling cares about point in this process."""
     import vllm.v1.core.sched.async_scheduler as async_module
@@ -264,7 +330,6 @@ def vllm_name_facts() -> dict:
     import vllm.v1.engine.core as core_module
 
     from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
-    from vllm_balance.takeover import run_engine_core_reach
 
     return {
         "Scheduler": qualified(scheduler_module.Scheduler),

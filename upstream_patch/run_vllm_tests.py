@@ -26,7 +26,9 @@ the unpatched side (they can tell the two apart), and none fails there only beca
 missing (an ``AttributeError`` naming it: a test that proves nothing about the behaviour).
 
 ``--balance --vllm-ascend R`` adds a third side, vllm-ascend release R's own ``BalanceScheduler``
-(its sdist's source, fetched like vLLM's; gate open), reported beside the two and not judged.
+(its sdist's source, fetched like vLLM's; gate open), reported beside the two and not judged;
+``--vllm-ascend-tree DIR`` the same for a vllm-ascend work tree (``vllm-ascend/phase2a.py``'s
+output is measured so).
 
 ``--balance`` compares this package instead of the seam: the "upstream" side runs the installed
 scheduler as it is; on the "balance" side every ``Scheduler`` / ``AsyncScheduler`` the tests
@@ -255,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="RELEASE",
         help="with --balance: also vllm-ascend RELEASE's own BalanceScheduler (its sdist's source)",
     )
+    parser.add_argument(
+        "--vllm-ascend-tree",
+        metavar="DIR",
+        type=Path,
+        help="with --balance: also the BalanceScheduler of a vllm-ascend work tree as it is now",
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
 
@@ -288,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
             from vllm_ascend_standin import prepared_root
 
             ascend_root = prepared_root(args.vllm_ascend, version)
+        elif args.vllm_ascend_tree:
+            from vllm_ascend_standin import root_from_tree
+
+            ascend_root = root_from_tree(args.vllm_ascend_tree.resolve())
         sides, problems = balance_sides(tree, args.pytest_args, ascend_root)
     else:
         sides, problems = seam_sides(tree, source, match, args.pytest_args, seam_names)

@@ -27,6 +27,7 @@ from vllm_balance.config import (
     BalanceOptions,
     balance_enabled,
     balance_options,
+    balance_requested,
     hand_over,
 )
 from vllm_balance.log import logger
@@ -35,7 +36,6 @@ from vllm_balance.takeover import (
     import_vllm_ascend_patches,
     init_vllm_ascend_config,
     is_vllm_ascend,
-    run_engine_core_reach,
     take_over,
 )
 
@@ -56,19 +56,17 @@ def _foreign_balance_patches() -> list[str]:
     ``run_engine_core`` (its DyntraLB patches the same places); two balance gates would gather
     twice per step and disagree on the freeze. For ``run_engine_core`` what counts is what our
     wrapper calls after deciding (a vllm-ascend wrapper there would swap ``DPEngineCoreProc``
-    behind our back); a wrapper that called ours has already run, and what it swapped shows in
-    the two class names.
+    behind our back; the first function below ours, no walk through another package's private
+    globals); a wrapper that called ours has already run, and what it swapped shows in the two
+    class names.
     """
     import vllm.v1.core.sched.scheduler as scheduler_module
     import vllm.v1.engine.core as core_module
 
-    below_ours = run_engine_core_reach(RUN_ENGINE_CORE_WRAPPER.upstream())
     candidates = {
         "vllm.v1.core.sched.scheduler.Scheduler": scheduler_module.Scheduler,
         "vllm.v1.engine.core.DPEngineCoreProc": core_module.DPEngineCoreProc,
-        "EngineCoreProc.run_engine_core": next(
-            (f for f in below_ours if is_vllm_ascend(f)), below_ours[0] if below_ours else None
-        ),
+        "EngineCoreProc.run_engine_core": RUN_ENGINE_CORE_WRAPPER.upstream(),
     }
     return [
         f"{name} -> {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
@@ -84,31 +82,17 @@ def balance_applies(vllm_config: Any) -> tuple[BalanceOptions, list[str]] | None
     Warnings (balance requested but it cannot act, so nothing is installed) and errors are the
     operator-facing validation table of docs/operations.md.
     """
-    if vllm_config is None:
-        return None
+    if vllm_config is None or not balance_requested(vllm_config):
+        return None  # balance off: nothing imported, initialised, read further or swapped
     import_vllm_ascend_patches()  # wherever plugin order put them: check the final state
     foreign = _foreign_balance_patches()
     if foreign:  # vllm-ascend's own code initialises it in this process, whichever decides
         init_vllm_ascend_config(vllm_config)
     if not balance_enabled(vllm_config):
         return None
-    role = _kv_role(vllm_config)
-    if role in ("kv_producer", "kv_consumer"):
-        raise BalanceConfigError(
-            "balance scheduling supports PD-mixed mode only; kv_transfer_config.kv_role="
-            f"{role!r} (PD-disaggregated) cannot enable {ENABLE_KEY}"
-        )
-    options = balance_options(vllm_config)
-    if foreign and not options.take_over_vllm_ascend:
-        raise BalanceConfigError(
-            "balance scheduling is already patched in by vllm-ascend ("
-            + "; ".join(foreign)
-            + f"): refusing a second activation. Set {TAKE_OVER_ENV_VAR}=1 (or additional_config."
-            f"{TAKE_OVER_KEY}=true where vllm-ascend accepts the key) to restore vLLM's names and "
-            "run vllm-balance-scheduling instead (docs/operations.md, 'With vllm-ascend on "
-            "Ascend'), or do not install vllm-balance-scheduling with this vllm-ascend"
-        )
+    options = balance_options(vllm_config)  # a bad key is an error wherever balance is asked for
     parallel_config = vllm_config.parallel_config
+    # Refusals only where balance could act: elsewhere it installs nothing, so nothing conflicts.
     if parallel_config.data_parallel_size <= 1:
         logger.warning(
             "balance scheduling is enabled but data_parallel_size=%d: it has no effect "
@@ -123,6 +107,21 @@ def balance_applies(vllm_config: Any) -> tuple[BalanceOptions, list[str]] | None
             "nothing is installed"
         )
         return None
+    role = _kv_role(vllm_config)
+    if role in ("kv_producer", "kv_consumer"):
+        raise BalanceConfigError(
+            "balance scheduling supports PD-mixed mode only; kv_transfer_config.kv_role="
+            f"{role!r} (PD-disaggregated) cannot enable {ENABLE_KEY}"
+        )
+    if foreign and not options.take_over_vllm_ascend:
+        raise BalanceConfigError(
+            "balance scheduling is already patched in by vllm-ascend ("
+            + "; ".join(foreign)
+            + f"): refusing a second activation. Set {TAKE_OVER_ENV_VAR}=1 (or additional_config."
+            f"{TAKE_OVER_KEY}=true where vllm-ascend accepts the key) to restore vLLM's names and "
+            "run vllm-balance-scheduling instead (docs/operations.md, 'With vllm-ascend on "
+            "Ascend'), or do not install vllm-balance-scheduling with this vllm-ascend"
+        )
     return options, foreign
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,30 @@ def balance_enabled(vllm_config: Any) -> bool:
     return False
 
 
+def balance_requested(vllm_config: Any) -> bool:
+    """Whether anything asks for balance scheduling, read without importing or initialising
+    anything: vllm-ascend's AscendConfig where it is already imported and initialised, the key in
+    ``additional_config`` (either form, any value but ``false``: a bad value is then refused by
+    ``balance_enabled``), the deprecated env var (set, not false). False means balance is off:
+    the engine-core wrapper passes straight through and nothing else is read or touched."""
+    values = [additional_value(vllm_config, ENABLE_KEY)[1]]
+    if "vllm_ascend.ascend_config" in sys.modules:
+        values.append(_from_ascend_config())
+    if any(value is not _UNSET and value is not False for value in values):
+        return True
+    raw = os.environ.get(DEPRECATED_ENV_VAR)
+    return raw is not None and raw.strip().lower() not in _ENV_FALSE
+
+
+# The API server decodes each engine's balance counters (registry.STATS_DECODED_WITH_BALANCE)
+# only when asked: the plugin runs there before any config exists.
+METRICS_ENV_VAR = "VLLM_BALANCE_METRICS"
+
+
+def metrics_decoding_requested() -> bool:
+    return _env_flag(METRICS_ENV_VAR) is True
+
+
 LOG_INTERVAL_KEY = "balance_log_interval_s"
 MAX_FROZEN_STEPS_KEY = "balance_max_frozen_steps"
 TAKE_OVER_KEY = "balance_take_over_vllm_ascend"
@@ -131,6 +156,18 @@ COLLECTIVE_KEY = "balance_collective"
 ALL_GATHER = "all_gather"
 RECURSIVE_DOUBLING = "recursive_doubling"
 COLLECTIVES = (ALL_GATHER, RECURSIVE_DOUBLING)
+# The package's own additional_config keys besides the enable key, top level or nested under
+# scheduler_config: the explicit list a host config that rejects unknown keys (vllm-ascend's
+# AscendConfig, extra="forbid") accepts on this package's behalf while it is installed; a
+# documented entry point (docs/operations.md, "Configuration keys"): any other balance_* key is a
+# typo there.
+BALANCE_KEYS = (
+    LOG_INTERVAL_KEY,
+    MAX_FROZEN_STEPS_KEY,
+    TAKE_OVER_KEY,
+    GATHER_WARN_KEY,
+    COLLECTIVE_KEY,
+)
 DEFAULT_LOG_INTERVAL_S = 10.0
 DEFAULT_GATHER_WARN_S = 5.0
 

@@ -2,18 +2,22 @@
 
 vLLM calls ``register()`` in every process that loads plugins: the front end before it creates
 the engine config (so the wrapper is in place when the launcher pickles or forks
-``EngineCoreProc.run_engine_core``), and each engine core and worker. Registering installs
-the ``run_engine_core`` wrapper, which decides per engine process from that process's config;
-with balance off it restores upstream's ``DPEngineCoreProc`` and touches nothing else, so every
-upstream class stays the identical object. It also makes the API server decode engine stats with
-the field that carries each rank's balance counters (``registry.STATS_DECODED_WITH_BALANCE``):
-the front end cannot know yet whether balance is on, and it must be in place before vLLM builds
-its engine client; with balance off no engine fills the field.
+``EngineCoreProc.run_engine_core``), and each engine core and worker. Registering installs the
+``run_engine_core`` wrapper, which decides per engine process from that process's config. It is
+the one vLLM object this package changes with balance off, and the only one it must: a general
+plugin runs before any config exists, and ``run_engine_core`` is the first code of an engine-core
+process that has the process's ``VllmConfig`` in hand (the DP engine-core class and the scheduler
+class are chosen after it). With balance off the wrapper passes straight through
+(``config.balance_requested``): nothing is read, imported, initialised or swapped.
+
+The API server decodes each engine's balance counters (``registry.STATS_DECODED_WITH_BALANCE``)
+only where ``VLLM_BALANCE_METRICS=1`` asks for it: it must be in place before vLLM builds its
+engine client, when the plugin cannot yet know whether balance is on.
 
 Next to vllm-ascend, whose platform patches wrap ``run_engine_core`` too, the wrapper must be
-reached whatever the plugin order: vllm-ascend's patches are applied first (idempotent, as its own
-plugins do), so that ours goes on top, unless ours is already part of the chain (a vllm-ascend
-that delegates registers it and wraps it again): installing it twice would make it call itself.
+reached whatever the plugin order: vllm-ascend's patches are applied first (its own plugins do the
+same in this process; idempotent), so that ours goes on top, unless ours is in place already and
+another wrapper captured it since (installing it again would make it call itself).
 """
 
 from __future__ import annotations
@@ -23,14 +27,15 @@ from vllm_balance.log import logger
 
 def register() -> None:
     from vllm_balance.activation import RUN_ENGINE_CORE_WRAPPER
+    from vllm_balance.config import metrics_decoding_requested
     from vllm_balance.registry import STATS_DECODED_WITH_BALANCE
-    from vllm_balance.takeover import import_vllm_ascend_patches, run_engine_core_reach
+    from vllm_balance.takeover import import_vllm_ascend_patches
 
     import_vllm_ascend_patches()
-    ours = RUN_ENGINE_CORE_WRAPPER.replacement().__func__
-    if ours not in run_engine_core_reach(RUN_ENGINE_CORE_WRAPPER.current()):
+    if not RUN_ENGINE_CORE_WRAPPER.in_place():
         RUN_ENGINE_CORE_WRAPPER.install()
-    STATS_DECODED_WITH_BALANCE.install()
+    if metrics_decoding_requested():
+        STATS_DECODED_WITH_BALANCE.install()
     logger.debug(
         "vllm-balance-scheduling plugin registered (%s wrapped)", RUN_ENGINE_CORE_WRAPPER.name
     )

@@ -51,6 +51,11 @@ class RuntimePatch:
             setattr(self.owner(), self.attribute, self._original)
             self._original = None
 
+    def in_place(self) -> bool:
+        """install() put the replacement there and nothing removed it; another package may have
+        wrapped it since (then ``current()`` is theirs and calls ours)."""
+        return self._original is not None
+
     def upstream(self) -> Any:
         """What the replacement stands in front of: what install() replaced, else what is there.
 
@@ -173,10 +178,12 @@ def _annotations_with_balance_stats() -> dict:
 #     ranks would never reach /metrics
 #   How:
 #     EngineCoreOutputs.__annotations__ replaced by a copy whose scheduler_stats is
-#     BalanceSchedulerStats | None (SchedulerStats plus one optional field), by the plugin in every
-#     process, before vLLM builds its engine client; it affects decoders built after it (msgspec
-#     reads a Struct's field types once, at its first decoder); an engine that sends no balance
-#     field decodes with balance=None
+#     BalanceSchedulerStats | None (SchedulerStats plus one optional field), by the plugin in the
+#     API server's process when VLLM_BALANCE_METRICS=1 (config.METRICS_ENV_VAR; the plugin runs
+#     before the config exists, so it cannot see whether balance is on, and with balance off no
+#     vLLM object may change), before vLLM builds its engine client; it affects decoders built
+#     after it (msgspec reads a Struct's field types once, at its first decoder); an engine that
+#     sends no balance field decodes with balance=None
 #   Related PR:
 #     none yet: a SchedulerStats field for plugin counters would remove it
 #   Future Plan:

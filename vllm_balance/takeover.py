@@ -11,9 +11,9 @@ vllm-ascend offers no switch to leave them out.
 Without ``balance_take_over_vllm_ascend`` this package refuses to activate next to it
 (``vllm_balance.activation``). With it, the engine-core process gets vLLM's own objects back
 through ``registry.TAKE_OVER_PATCHES`` (reversible) before this package activates as it does
-anywhere else. vLLM's objects are found from what replaced them, never from vllm-ascend's
-private names: a swapped class still has vLLM's class in its MRO; a wrapper keeps what it wraps in
-its module's globals (``vllm_run_engine_core``).
+anywhere else. vLLM's objects are found from what replaced them or from vLLM's own source, never
+from vllm-ascend's private names: a swapped class still has vLLM's class in its MRO; vLLM's
+``run_engine_core`` is rebuilt from vLLM's module (``vllm_run_engine_core``).
 
 When vllm-ascend's patches land in a process depends on plugin order. vLLM loads general plugins
 (ours and vllm-ascend's, in entry-point order) in the front end, before the platform hook; in a
@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
+import types
+from types import ModuleType
 from typing import Any
 
 from vllm_balance import registry
@@ -58,6 +59,7 @@ _LOST_WITH_THE_TAKE_OVER = {
 
 _platform_patch_failures: set[str] = set()
 _rebuilt_async_schedulers: dict[type, type] = {}
+_rebuilt_run_engine_core: list = []
 
 
 class TakeOverError(ValueError):
@@ -111,22 +113,13 @@ def clean_async_scheduler(cls: type) -> type:
 
         if is_vllm_ascend(scheduler_module.Scheduler):
             raise TakeOverError("AsyncScheduler cannot be rebuilt before Scheduler is restored")
-        spec = importlib.util.find_spec(cls.__module__)
-        assert spec is not None and spec.loader is not None, cls.__module__
-        fresh = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(fresh)
-        _rebuilt_async_schedulers[cls] = fresh.AsyncScheduler
+        _rebuilt_async_schedulers[cls] = _fresh_module(cls.__module__).AsyncScheduler
     return _rebuilt_async_schedulers[cls]
 
 
 def _function(value: Any) -> Any:
     value = value.__func__ if isinstance(value, staticmethod) else value
     return value if callable(value) and hasattr(value, "__code__") else None
-
-
-def _is_run_engine_core_wrapper(value: Any) -> bool:
-    function = _function(value)
-    return function is not None and function.__name__.endswith("run_engine_core")
 
 
 def is_vllm_run_engine_core(function: Any) -> bool:
@@ -136,42 +129,38 @@ def is_vllm_run_engine_core(function: Any) -> bool:
     ) == VLLM_RUN_ENGINE_CORE
 
 
-def run_engine_core_reach(start: Any) -> list:
-    """The functions a call of ``start`` can pass through, ``start`` first.
-
-    Ours calls ``RUN_ENGINE_CORE_WRAPPER.upstream()``; vllm-ascend's wrappers (functions named
-    ``*run_engine_core``, like vLLM's) call what they captured in module globals
-    (``_OriginalRunEngineCore``, ``_PreviousRunEngineCore``, ``_UpstreamRunEngineCore`` at
-    vllm-ascend 182b75ea). The walk stops at vLLM's own function.
-    """
-    ours = _function(RUN_ENGINE_CORE_WRAPPER.replacement())
-    found: list = []
-    todo = [_function(start)]
-    while todo:
-        function = todo.pop(0)
-        if function is None or function in found:
-            continue
-        found.append(function)
-        if function is ours:
-            todo.append(RUN_ENGINE_CORE_WRAPPER.upstream())
-        elif is_vllm_ascend(function):
-            module = sys.modules.get(function.__module__)
-            if module is not None:
-                todo.extend(
-                    _function(v) for v in vars(module).values() if _is_run_engine_core_wrapper(v)
-                )
-    return found
+def _fresh_module(name: str) -> ModuleType:
+    """Module ``name``'s code executed again into a new module object (not re-imported): the
+    loaded module and every name in it stay as they are."""
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.loader is not None, name
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    return fresh
 
 
 def vllm_run_engine_core() -> Any:
-    """vLLM's own ``run_engine_core`` function, found behind whatever wraps it now."""
-    for function in run_engine_core_reach(RUN_ENGINE_CORE_WRAPPER.current()):
-        if is_vllm_run_engine_core(function):
-            return function
-    raise TakeOverError(
-        "cannot find vLLM's own EngineCoreProc.run_engine_core behind the wrappers installed on "
-        "it (a vllm-ascend wrapper this package does not know how to follow)"
-    )
+    """vLLM's own ``EngineCoreProc.run_engine_core``: what ours stands in front of when that is
+    vLLM's function, else vLLM's code for it rebuilt from vLLM's module (``_fresh_module``) and
+    bound to the loaded module's globals, so that it reads the ``DPEngineCoreProc`` this package
+    swaps. Never found through another package's wrappers: their private module globals are
+    not an interface (vllm-ascend's names for them changed between its releases)."""
+    below = RUN_ENGINE_CORE_WRAPPER.upstream()
+    if is_vllm_run_engine_core(below):
+        return below
+    if not _rebuilt_run_engine_core:
+        module = registry.engine_core_module()
+        built = _function(vars(_fresh_module(module.__name__).EngineCoreProc)["run_engine_core"])
+        rebound = types.FunctionType(
+            built.__code__, vars(module), built.__name__, built.__defaults__, built.__closure__
+        )
+        rebound.__kwdefaults__ = built.__kwdefaults__
+        rebound.__qualname__ = built.__qualname__
+        rebound.__doc__ = built.__doc__
+        if not is_vllm_run_engine_core(rebound):
+            raise TakeOverError(f"rebuilt {rebound.__qualname__} is not vLLM's run_engine_core")
+        _rebuilt_run_engine_core.append(rebound)
+    return _rebuilt_run_engine_core[0]
 
 
 def vllm_ascend_feature_enabled(vllm_config: Any, key: str) -> bool:

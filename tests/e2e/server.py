@@ -42,6 +42,8 @@ CPU_ENV = {
     "HF_HUB_OFFLINE": "1",  # nothing is downloaded
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_LOGGING_LEVEL": "INFO",
+    # The API server decodes its engines' balance counters (the tests read vllm:balance_*).
+    "VLLM_BALANCE_METRICS": "1",
 }
 
 

@@ -1,76 +1,87 @@
-"""Apply the vllm-ascend series to a vllm-ascend checkout, one commit per patch, as you.
+"""Apply a vllm-ascend series to a vllm-ascend checkout, one commit per patch, as you.
 
-    python upstream_patch/vllm-ascend/apply.py <vllm-ascend work tree> [--check]
-    python upstream_patch/vllm-ascend/apply.py <vllm-ascend work tree> --export --series NAME
+    python upstream_patch/vllm-ascend/apply.py <vllm-ascend work tree> --pr PR [--check]
+    python upstream_patch/vllm-ascend/apply.py <vllm-ascend work tree> --pr PR --mbox DIR
+    python upstream_patch/vllm-ascend/apply.py <vllm-ascend work tree> --pr PR --export
 
-Each patch becomes a commit whose author is the git identity configured in that checkout
-(nothing in the series names an author). Whole-file rewrites are written after checking the
-file's blob id (see ``series.py``); everything else goes through ``git apply --index``. Either all
-patches apply or the checkout is reset to where it was. ``--check`` does the same in a temporary
-worktree and leaves the checkout as it is. ``--export`` goes the other way: the checkout's commits
-since the series' base become its files (how a series is changed).
+``PR`` is one of ``srf``, ``phase2a``, ``phase2b`` (``series.PRS``); the base is the one made for
+the checkout's commit or release (``vllm_ascend/_version.py``), or ``--base``. Each patch becomes
+a commit whose author is the git identity configured in that checkout. Whole-file rewrites are
+written after checking the file's blob id (see ``series.py``); everything else goes through
+``git apply --index``. Either all patches apply or the checkout is reset to where it was.
+``--check`` does the same in a temporary worktree. ``--mbox DIR`` writes the series as plain
+mbox files (rewrites expanded against the checkout) for ``git am --keep-non-patch --keep-cr``.
+``--export`` goes the other way: the checkout's commits since the base become the series' files.
 
-One series per base (``upstream_patch/vllm-ascend/<base>/``: the commit 182b75ea, the release
-v0.30.0rc2); the one made for the checkout's commit or release (``vllm_ascend/_version.py``) is
-used unless ``--series`` names one; the blob ids and ``git apply`` decide whether it applies.
-Sign the commits off before sending: ``git rebase --signoff <start>`` (the Developer Certificate
-of Origin is the sender's statement).
+Runs with any Python 3.10+ and git: ``python upstream_patch/vllm-ascend/apply.py`` from the
+package's checkout needs no ``PYTHONPATH`` (its one import from ``upstream_patch/`` is found
+through the folder above this one). Sign the commits off before sending:
+``git rebase --signoff <start>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
-from series import (
-    HERE,
+# seam_patch.py (git helpers) sits one folder up; a script's own folder is on sys.path, that one
+# is not, and this script is run by path from a plain python, not from a nox venv.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from series import (  # noqa: E402
+    CHECK_IDENTITY,
+    PRS,
     PatchError,
-    all_series,
     apply_series,
+    base_for_tree,
     base_of,
+    expand_rewrites,
     export_series,
     git,
     patches,
-    series_for_tree,
+    series_dir,
 )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tree", type=Path, help="a vllm-ascend git work tree")
-    parser.add_argument(
-        "--series",
-        help="the series folder to use or export into (default: the one made for the tree's "
-        f"commit or release; now: {', '.join(d.name for d in all_series())})",
-    )
+    parser.add_argument("--pr", required=True, choices=PRS, help="which pull request's series")
+    parser.add_argument("--base", help="the base folder (default: the one made for the tree)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="apply in a throw-away worktree")
     mode.add_argument("--export", action="store_true", help="write its commits as the series")
+    mode.add_argument("--mbox", type=Path, metavar="DIR", help="write plain mbox files for git am")
     args = parser.parse_args()
     tree = args.tree.resolve()
     try:
-        directory = HERE / args.series if args.series else series_for_tree(tree)
-        series = patches(directory)
+        directory = series_dir(args.base or base_for_tree(tree), args.pr)
         if args.export:
             for path in export_series(tree, base_of(directory, tree), directory):
-                print(path.relative_to(HERE.parent.parent))
+                print(path.relative_to(directory.parents[2]))
             return
-        print(f"series {directory.name} ({len(series)} patches) on {tree}")
+        series = patches(directory)
+        if not series:
+            raise PatchError(f"no series {directory.parent.name}/{args.pr}")
+        print(f"series {directory.parent.name}/{args.pr} ({len(series)} patches) on {tree}")
+        if args.mbox:
+            written = expand_rewrites(tree, series, args.mbox.resolve())
+            print("\n".join(str(p) for p in written))
+            print(f"git -C {tree} am --keep-non-patch --keep-cr {args.mbox}/*.patch")
+            return
         if args.check:
             with tempfile.TemporaryDirectory() as scratch:
                 work = Path(scratch) / "check"
                 git(tree, "worktree", "add", "-q", "--detach", str(work), "HEAD")
                 try:
-                    # Throw-away commits: a placeholder identity, never sent anywhere.
-                    apply_series(
-                        work, ("-c", "user.name=check", "-c", "user.email=check@localhost"), series
-                    )
+                    apply_series(work, CHECK_IDENTITY, series)
                 finally:
                     git(tree, "worktree", "remove", "--force", str(work))
             print(f"the series applies to {tree} ({len(series)} patches)")
             return
-        start = apply_series(tree, series=series)
+        start = apply_series(tree, (), series)
     except PatchError as exc:
         raise SystemExit(f"not applied: {exc}") from None
     author = git(tree, "log", "-1", "--format=%an <%ae>").stdout.strip()
