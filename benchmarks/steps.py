@@ -80,8 +80,16 @@ def unwatched_gather(scheduler) -> None:
     """
     if not scheduler._balance_enabled or scheduler.dp_group is None:
         return
+    if scheduler.dp_group is not scheduler._gather_group:
+        scheduler.follow_dp_group(scheduler.dp_group)
+    running = len(scheduler.running)
+    if running:  # balance_gather's pause check (the measured gatherers run nothing: not reached)
+        from vllm_balance.shim.scheduler import PAUSED_ALL
+
+        if PAUSED_ALL is not None and scheduler.pause_state == PAUSED_ALL:
+            running = 0
     started = time.monotonic()
-    running_count = torch.tensor([len(scheduler.running)], dtype=torch.int32)
+    running_count = torch.tensor([running], dtype=torch.int32)
     dist.all_gather(scheduler.balance_queue, running_count, group=scheduler.dp_group)
     scheduler.balance_stats.gather_seconds += time.monotonic() - started
     scheduler.observe_gathered()

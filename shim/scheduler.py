@@ -24,6 +24,13 @@ from vllm_balance.shim.metrics import BalanceMetrics
 from vllm_balance.shim.stats import BalanceStats, PeriodicLog
 from vllm_balance.shim.watchdog import GatherWatchdog
 
+try:  # pause_scheduler(mode="keep"); feature detection, not a version
+    from vllm.v1.core.sched.interface import PauseState
+
+    PAUSED_ALL: Any = PauseState.PAUSED_ALL
+except ImportError:  # a vLLM without scheduler pause states
+    PAUSED_ALL = None
+
 
 class BalanceSchedulerMixin:
     """Balance state and gate; mixed in front of ``Scheduler`` or ``AsyncScheduler``.
@@ -35,6 +42,7 @@ class BalanceSchedulerMixin:
     # Upstream attributes the mixin reads, on every supported release (test_upstream_surface.py).
     running: list
     max_num_running_reqs: int
+    pause_state: Any  # where PAUSED_ALL exists
     if TYPE_CHECKING:
 
         def get_request_counts(self) -> tuple[int, int]: ...
@@ -47,45 +55,82 @@ class BalanceSchedulerMixin:
         self.admission_frozen = False
         if options is not None:
             parallel_config = vllm_config.parallel_config
-            # [1]-shaped views of one buffer: the gate reads every rank's count in one max().
-            self._dp_size = parallel_config.data_parallel_size
             self._all_gather = options.collective == ALL_GATHER
-            self._gathered = torch.zeros(
-                self._dp_size if self._all_gather else 1, dtype=torch.int32
-            )
-            self.balance_queue = list(self._gathered.split(1))
-            self._gathered_views = tuple(self.balance_queue)
             self.balance_stats = BalanceStats()
-            self._dp_rank = parallel_config.data_parallel_rank
             # Feature detection, not a version: the admission limit the WAITING loop stops at.
             self.balance_cap: int = getattr(self, "max_num_active_reqs", self.max_num_running_reqs)
             metrics = BalanceMetrics(self)
             self._periodic_log = PeriodicLog(options.log_interval_s, metrics)
             self._max_frozen_steps = options.max_frozen_steps
-            self._frozen_streak = 0
-            self._release_next_step = False
             self._gather_watchdog = GatherWatchdog(
-                options.gather_warn_s, self._dp_rank, self._dp_size, self.balance_stats
+                options.gather_warn_s,
+                parallel_config.data_parallel_rank,
+                parallel_config.data_parallel_size,
+                self.balance_stats,
             )
+            # The group the buffer is sized for; until one is handed over, the config's size
+            # (the simulator and tests fill the buffer without a group).
+            self._gather_group: Any = None
+            self._reset_gathered(
+                parallel_config.data_parallel_size, parallel_config.data_parallel_rank
+            )
+
+    def _reset_gathered(self, dp_size: int, dp_rank: int) -> None:
+        """A zeroed buffer for ``dp_size`` ranks, and the state counted from gathered vectors.
+
+        The first step on a new DP group is decided as the first step after start-up: open on
+        every rank, as no count has been gathered on that group yet (docs/design.md, "When the
+        DP group changes, pauses or faults").
+        """
+        self._dp_size, self._dp_rank = dp_size, dp_rank
+        # [1]-shaped views of one buffer: the gate reads every rank's count in one max().
+        self._gathered = torch.zeros(dp_size if self._all_gather else 1, dtype=torch.int32)
+        self.balance_queue = list(self._gathered.split(1))
+        self._gathered_views = tuple(self.balance_queue)
+        self._frozen_streak = 0
+        self._release_next_step = False
+        self.balance_stats.last_gathered = []
+        self._gather_watchdog.follow(dp_rank, dp_size)
+
+    def follow_dp_group(self, group: Any) -> None:
+        """Gather on ``group`` from now on, sized and ranked by it.
+
+        vLLM replaces its DP group object, with a new size and rank, on an elastic-EP resize
+        (``ElasticEPScalingState._commit_new_dp_group``) and keeps the scheduler; the engine core
+        hands each group over as vLLM assigns it, so the next ``schedule()`` already reads a
+        buffer of the new group (``BalanceDPEngineCoreProc.dp_group``).
+        """
+        self.dp_group = group
+        if self._balance_enabled and group is not None and group is not self._gather_group:
+            self._gather_group = group
+            self._reset_gathered(group.size(), group.rank())
 
     def balance_gather(self) -> None:
         """All-gather ``len(self.running)`` into ``balance_queue``; no-op when disabled/no group.
 
         The watchdog reports a gather a peer never enters (docs/operations.md, "A blocked gather").
+        A rank paused with ``mode="keep"`` contributes 0, as vLLM's own DP sync counts it
+        (``get_num_unfinished_requests()`` is 0 under ``PAUSED_ALL``): it schedules no token, so
+        its full slots must not freeze the ranks that run.
         """
         if not self._balance_enabled or self.dp_group is None:
             return
+        if self.dp_group is not self._gather_group:  # set directly, not through follow_dp_group
+            self.follow_dp_group(self.dp_group)
         watchdog = self._gather_watchdog
         if watchdog.unstarted:
             watchdog.start_for(self)
         reduced = None
+        running = len(self.running)
+        if running and PAUSED_ALL is not None and self.pause_state == PAUSED_ALL:
+            running = 0  # paused with mode="keep": it runs nothing
         watchdog.started = started = time.monotonic()
         try:
             if self._all_gather:
-                running_count = torch.tensor([len(self.running)], dtype=torch.int32)
+                running_count = torch.tensor([running], dtype=torch.int32)
                 dist.all_gather(self.balance_queue, running_count, group=self.dp_group)
             else:
-                reduced = collective.reduce_running(len(self.running), self.dp_group)
+                reduced = collective.reduce_running(running, self.dp_group)
                 self.set_gathered([reduced.maximum])
         finally:
             watchdog.started = None

@@ -15,8 +15,8 @@ them); change their first words only together with the docs:
         running counts (gather #1233): DP0=3 DP1=4; a rank that logs no ...
     balance gather unblocked: DP1 gather #1234 returned after 7.3 s ...
 
-The gather number is the rank's count of gathers, and every rank gathers once per active step
-(contract 3), so ranks in the same gather report the same number.
+The gather number is the rank's count of gathers on its current DP group, and every rank gathers
+once per active step (contract 3), so ranks in the same gather report the same number.
 """
 
 from __future__ import annotations
@@ -67,11 +67,20 @@ class GatherWatchdog:
         # scheduler is in the gather and logs (and publishes) nothing until it returns.
         self.stats = stats
         self._blocked: _BlockedGather | None = None
+        # stats.gathers before the current DP group: gathers are numbered from the group's first.
+        self._gathers_before_group = 0
         self.unstarted = True
         self._closed = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"balance-gather-watchdog-DP{dp_rank}", daemon=True
         )
+
+    def follow(self, dp_rank: int, dp_size: int) -> None:
+        """A new DP group (an elastic-EP resize): its rank and size in the messages, and gathers
+        numbered from its first, so that ranks blocked together still log the same number."""
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self._gathers_before_group = self.stats.gathers
+        self._thread.name = f"balance-gather-watchdog-DP{dp_rank}"
 
     def start_for(self, owner: object) -> None:
         """Start the thread on ``owner``'s (the scheduler's) first gather; it ends with ``owner``.
@@ -104,7 +113,7 @@ class GatherWatchdog:
         assert self.warn_s is not None
         # Read before ``started``: the gather thread clears ``started`` before it counts the
         # gather, so a gather seen in flight here is number ``completed + 1``.
-        completed = self.stats.gathers
+        completed = self.stats.gathers - self._gathers_before_group
         started = self.started
         blocked = self._blocked
         if blocked is not None and started != blocked.started:
@@ -130,7 +139,7 @@ class GatherWatchdog:
             last_seen = f" (gather #{blocked.number - 1}): " + " ".join(
                 f"DP{rank}={count}" for rank, count in enumerate(last)
             )
-        elif stats.gathers:  # the log-depth reduction: no per-rank counts, only max and min
+        elif blocked.number > 1:  # the log-depth reduction: no per-rank counts, only max, min
             last_seen = (
                 f" (gather #{blocked.number - 1}): max {stats.gathered_max}, "
                 f"min {stats.gathered_min} (reduced, no per-rank counts)"

@@ -177,8 +177,19 @@ def collective(stand_in: OtherRanks) -> Iterator[OtherRanks]:
         dist.all_gather = real
 
 
+@dataclass(frozen=True)
 class DPGroup:
-    """The injected DP group (a real gloo group has only as many ranks as threads we run)."""
+    """The injected DP group (a real gloo group has only as many ranks as threads we run): its
+    size and this rank's place in it, which the gather sizes its buffer by."""
+
+    dp_size: int
+    dp_rank: int = 0
+
+    def size(self) -> int:
+        return self.dp_size
+
+    def rank(self) -> int:
+        return self.dp_rank
 
     def __repr__(self) -> str:
         return "<dp_group>"
@@ -317,7 +328,7 @@ class GateOracle(Side):
 def compare(workload: Workload, mode: str) -> Run:
     """Run ``workload`` on BalanceScheduler and on the reference in lockstep; raise Divergence
     at the first step whose observation differs. Returns what the run reached."""
-    stand_in = OtherRanks(group=DPGroup())
+    stand_in = OtherRanks(group=DPGroup(workload.dp_size))
     sides = [GateOracle(workload, mode), Ours(workload, mode, stand_in)]
     if mode == "disabled" and hasattr(sides[1].scheduler, "balance_queue"):
         diverged(workload, 0, "balance off, yet BalanceScheduler allocated balance_queue")

@@ -73,6 +73,22 @@ def test_blocked_gather_error_repeats_as_the_wait_doubles_at_most_every_max_repe
     assert watchdog.stats.blocked_gathers == 1  # one gather, however many lines
 
 
+def test_after_a_resize_the_error_names_the_new_group_and_numbers_its_gathers_from_one(caplog):
+    # An elastic-EP resize: the scheduler hands the new rank and size over, clears the vector of
+    # the old group (tests/multiproc/test_resize.py runs vLLM's own resize).
+    watchdog = watchdog_after_one_gather()
+    watchdog.stats.last_gathered = []
+    watchdog.follow(dp_rank=2, dp_size=3)
+    watchdog.started = 0.0
+    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+        watchdog.check(WARN_S)
+    [message] = messages(caplog)
+    assert message.startswith(
+        f"{BLOCKED}: DP2 has waited 1.0 s in gather #1 of 3 DP ranks; "
+        "last gathered running counts: none yet;"
+    ), message
+
+
 def test_blocked_reduction_names_the_last_max_and_min_it_has_no_per_rank_counts(caplog):
     stats = BalanceStats()
     stats.record_reduced(maximum=4, minimum=1, total=9, dp_size=3)  # recursive_doubling

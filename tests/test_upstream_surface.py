@@ -52,6 +52,24 @@ def test_scheduler_state_the_mixin_reads():
     assert getattr(scheduler, "max_num_active_reqs", scheduler.max_num_running_reqs) == 4
 
 
+def test_group_and_pause_state_the_gather_follows():
+    """The buffer is sized and ranked by the DP group (``size()``, ``rank()``: vLLM swaps the group
+    on an elastic-EP resize); a rank paused with ``mode="keep"`` gathers 0, as vLLM's DP sync
+    counts it (where the release has pause states)."""
+    from torch.distributed import ProcessGroup
+
+    from vllm_balance.shim.scheduler import PAUSED_ALL
+
+    assert callable(ProcessGroup.size) and callable(ProcessGroup.rank)
+    if PAUSED_ALL is not None:
+        scheduler = factories.make_scheduler()
+        factories.add_requests(scheduler, factories.make_requests(2))
+        factories.step(scheduler)
+        scheduler.set_pause_state(PAUSED_ALL)
+        assert scheduler.pause_state == PAUSED_ALL and len(scheduler.running) == 2
+        assert scheduler.get_num_unfinished_requests() == 0
+
+
 def test_scheduler_classes_and_signatures_the_mixin_extends():
     assert issubclass(AsyncScheduler, Scheduler)
     assert parameters(Scheduler.schedule) == ["self", "throttle_prefills"]

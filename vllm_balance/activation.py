@@ -122,7 +122,18 @@ def balance_applies(vllm_config: Any) -> tuple[BalanceOptions, list[str]] | None
             "run vllm-balance-scheduling instead (docs/operations.md, 'With vllm-ascend on "
             "Ascend'), or do not install vllm-balance-scheduling with this vllm-ascend"
         )
+    if getattr(parallel_config, "enable_fault_tolerance", False):
+        raise BalanceConfigError(FAULT_TOLERANCE_REFUSAL)
     return options, foreign
+
+
+# Why not followed: docs/design.md, "When the DP group changes, pauses or faults".
+FAULT_TOLERANCE_REFUSAL = (
+    "balance scheduling cannot run with vLLM's fault tolerance (--enable-fault-tolerance): after "
+    "a rank's fault the healthy ranks would wait in balance's per-step gather instead of "
+    "reaching vLLM's recovery; turn off one of enable_balance_scheduling and "
+    "--enable-fault-tolerance"
+)
 
 
 def select_scheduler_cls(vllm_config: Any) -> type:

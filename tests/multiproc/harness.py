@@ -402,15 +402,37 @@ class Cluster:
         self._send(rank, EngineCoreRequestType.ABORT, list(request_ids))
 
     def utility(self, rank: int, method: str, *args: Any, what: str = "utility") -> Any:
+        return self.utility_on_ranks([rank], method, *args, what=what)[rank]
+
+    def utility_on_ranks(
+        self, ranks: Sequence[int], method: str, *args: Any, what: str = "utility"
+    ) -> dict[int, Any]:
+        """Call an engine-core utility on ``ranks`` at once (as the API server calls
+        ``pause_generation`` or ``sleep`` on every engine), then wait for every result."""
+        return self.utility_results_of(
+            {rank: self.send_utility(rank, method, *args) for rank in ranks}, f"{what} {method}"
+        )
+
+    def utility_results_of(self, call_ids: dict[int, int], what: str) -> dict[int, Any]:
+        """Wait for the utility calls ``call_ids`` (rank -> call id); their results by rank."""
+        self.wait_until(
+            lambda: all(call_id in self.utility_results for call_id in call_ids.values()),
+            f"{what} on ranks {list(call_ids)}",
+        )
+        results = {}
+        for rank, call_id in call_ids.items():
+            failure, results[rank] = self.utility_results.pop(call_id)
+            if failure:
+                raise RuntimeError(f"{what} failed on rank {rank}: {failure}")
+        return results
+
+    def send_utility(self, rank: int, method: str, *args: Any) -> int:
+        """Call an engine-core utility without waiting; ``utility_results`` gets its call id."""
         from vllm.v1.engine import EngineCoreRequestType
 
         call_id = next(self._call_ids)
         self._send(rank, EngineCoreRequestType.UTILITY, (0, call_id, method, args))
-        self.wait_until(lambda: call_id in self.utility_results, f"{what} on rank {rank}")
-        failure, result = self.utility_results.pop(call_id)
-        if failure:
-            raise RuntimeError(f"utility {method} failed on rank {rank}: {failure}")
-        return result
+        return call_id
 
     def drain_records(self) -> dict[int, list]:
         return {

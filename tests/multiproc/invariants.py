@@ -76,6 +76,9 @@ def check_trace(result: TraceResult, balance: bool = True) -> TraceSummary:
             if frozen:
                 frozen_steps += 1
                 assert fields["admitted"] == 0, (name, rank, "admitted while frozen", fields)
-            elif fields["waiting"] and fields["running"] < fields["cap"]:
-                assert fields["admitted"] > 0, (name, rank, "open gate did not admit", fields)
+            elif (
+                fields["waiting"] and fields["running"] < fields["cap"] and not fields.get("paused")
+            ):
+                admitted = fields["admitted"] + fields.get("resumed", 0)
+                assert admitted > 0, (name, rank, "open gate did not admit", fields)
     return TraceSummary(gathers, frozen_steps, schedule_steps, forwards)

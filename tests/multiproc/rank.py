@@ -79,7 +79,12 @@ def _instrument_scheduler_class(scheduler_cls: type) -> None:
             waiting=waiting,
             running=running,
             cap=self.max_num_running_reqs,
+            # vLLM's pause (pause_scheduler, sleep) admits nothing, whatever the gate says.
+            paused=int(getattr(self, "pause_state", 0)) != 0,
             admitted=len(output.scheduled_new_reqs),
+            # Preempted requests the WAITING loop resumed (vLLM's pause with clear_cache
+            # preempts the running ones): admitted too, as far as the gate is concerned.
+            resumed=len(getattr(output.scheduled_cached_reqs, "resumed_req_ids", ())),
             tokens=output.total_num_scheduled_tokens,
         )
         return output
@@ -155,10 +160,21 @@ def run(spec: dict) -> None:
     )
 
 
+def apply_inherited_mutant() -> None:
+    """The mutant ``tests/mutation/run.py`` applied in the pytest process, applied here too: a
+    process forked from the harness's forkserver inherits its environment, not its patches."""
+    mutant = os.environ.get("VLLM_BALANCE_MUTANT", "none")
+    if mutant != "none":
+        import mutants  # tests/mutation/, on PYTHONPATH in a mutation run
+
+        mutants.MUTANTS[mutant].apply()
+
+
 def rank_main(spec: dict) -> None:
     """Process target (forkserver child): private log, env and temp dir, then ``run``."""
     if spec["mode"] not in MODES:
         raise SystemExit(f"unknown mode {spec['mode']!r}")
+    apply_inherited_mutant()
     log_fd = os.open(spec["log_file"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)

@@ -171,6 +171,24 @@ class StandInWorker:
     def take_draft_token_ids(self) -> None:
         return None
 
+    # Pause and sleep (EngineCore.pause_scheduler / sleep / wake_up): the device work they ask
+    # for (wait for the device, clear its caches, free and restore its memory) has nothing to
+    # act on here.
+    def synchronize_device(self) -> None:
+        return None
+
+    def reset_mm_cache(self) -> None:
+        return None
+
+    def reset_encoder_cache(self) -> None:
+        return None
+
+    def sleep(self, level: int = 1) -> None:
+        return None
+
+    def wake_up(self, tags: Any = None) -> None:
+        return None
+
     def harness_drain_records(self) -> list:
         return records.drain()
 

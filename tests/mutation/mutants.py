@@ -223,6 +223,24 @@ def engine_core_skips_gather() -> None:
     BalanceDPEngineCoreProc._has_global_unfinished_reqs = _has_global_unfinished_reqs
 
 
+def buffer_fixed_at_start_size() -> None:
+    """The gather keeps its start-up buffer, rank and size when vLLM swaps in a DP group of
+    another size (an elastic-EP resize): the group is used, nothing sized by it."""
+
+    def follow_dp_group(self, group) -> None:
+        self.dp_group = self._gather_group = group
+
+    _mixin().follow_dp_group = follow_dp_group
+
+
+def keep_paused_rank_gathers_its_running() -> None:
+    """A rank paused with ``mode="keep"`` gathers ``len(running)``: its full seats freeze the
+    ranks that run for as long as it is paused."""
+    from vllm_balance.shim import scheduler
+
+    scheduler.PAUSED_ALL = None  # the gather's pause check never matches
+
+
 def pd_refusal_misses_kv_consumer() -> None:
     """The PD-disaggregated refusal checks ``kv_producer`` only (a decode instance slips in)."""
     from vllm_balance import activation
@@ -353,6 +371,23 @@ MUTANTS = {
             ("shim", "compat"),
             engine_core_skips_gather,
             files=("tests/multiproc/test_entrypoint.py",),
+        ),
+        Mutant(
+            "buffer_fixed_at_start_size",
+            "gather buffer, rank and size kept at start-up when vLLM resizes the DP group",
+            ("shim", "compat"),
+            buffer_fixed_at_start_size,
+            files=("tests/multiproc/test_resize.py",),
+        ),
+        Mutant(
+            "keep_paused_rank_gathers_its_running",
+            'a rank paused with `mode="keep"` gathers `len(running)`, not 0',
+            ("shim", "compat"),
+            keep_paused_rank_gathers_its_running,
+            files=(
+                "tests/multiproc/test_pause.py::"
+                "test_keep_paused_rank_at_the_cap_does_not_freeze_the_other_rank",
+            ),
         ),
         Mutant(
             "pd_refusal_misses_kv_consumer",
