@@ -8,7 +8,8 @@ with balance off it restores upstream's ``DPEngineCoreProc`` and touches nothing
 upstream class stays the identical object. It also makes the API server decode engine stats with
 the field that carries each rank's balance counters (``registry.STATS_DECODED_WITH_BALANCE``):
 the front end cannot know yet whether balance is on, and it must be in place before vLLM builds
-its engine client; with balance off no engine fills the field.
+its engine client; with balance off no engine fills the field. With the Ray DP backend the front
+end also chooses the engine-core actors' class (``vllm_balance.ray_actor``).
 
 Next to vllm-ascend, whose platform patches wrap ``run_engine_core`` too, the wrapper must be
 reached whatever the plugin order: vllm-ascend's patches are applied first (idempotent, as its own
@@ -22,8 +23,8 @@ from vllm_balance.log import logger
 
 
 def register() -> None:
-    from vllm_balance.activation import RUN_ENGINE_CORE_WRAPPER
-    from vllm_balance.registry import STATS_DECODED_WITH_BALANCE
+    from vllm_balance.activation import RAY_ACTOR_MANAGER_WRAPPER, RUN_ENGINE_CORE_WRAPPER
+    from vllm_balance.registry import STATS_DECODED_WITH_BALANCE, ray_backend_present
     from vllm_balance.takeover import import_vllm_ascend_patches, run_engine_core_reach
 
     import_vllm_ascend_patches()
@@ -31,6 +32,10 @@ def register() -> None:
     if ours not in run_engine_core_reach(RUN_ENGINE_CORE_WRAPPER.current()):
         RUN_ENGINE_CORE_WRAPPER.install()
     STATS_DECODED_WITH_BALANCE.install()
+    if (
+        ray_backend_present()
+    ):  # the API server chooses the Ray actors' class: vllm_balance.ray_actor
+        RAY_ACTOR_MANAGER_WRAPPER.install()
     logger.debug(
         "vllm-balance-scheduling plugin registered (%s wrapped)", RUN_ENGINE_CORE_WRAPPER.name
     )

@@ -125,8 +125,17 @@ def register() -> None:
     if not directory or _state:
         return
     # Only engine cores step; the front end and workers load the same plugins and are skipped.
-    import multiprocessing
-
-    if not multiprocessing.current_process().name.startswith("EngineCore"):
+    if not _is_engine_core():
         return
     install(Path(directory))
+
+
+def _is_engine_core() -> bool:
+    """vLLM's launcher names the process EngineCore_DP<r>; a Ray engine-core actor's title (Ray
+    sets it) is ``ray::<actor class>``, a class named ...EngineCoreActor."""
+    import multiprocessing
+
+    if multiprocessing.current_process().name.startswith("EngineCore"):
+        return True
+    title = Path("/proc/self/cmdline").read_bytes().split(b"\0")[0]
+    return title.startswith(b"ray::") and b"EngineCoreActor" in title
