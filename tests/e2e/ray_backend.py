@@ -2,10 +2,12 @@
 
 A local Ray cluster is started as an operator would (``ray start --head --block``), on loopback:
 node address 127.0.0.1, and ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, Ray's own single-machine
-mode, without which Ray turns 127.0.0.1 into the machine's own address when it connects. Its
-temp directory and ``HOME`` (Ray writes its auth token to ``~/.ray``; vLLM its config to
-``~/.config/vllm``) lie under the test's tmp; it runs in its own session and is stopped by PID
-(SIGTERM to ``ray start``, which stops what it started; then anything of the session left is
+mode, without which Ray turns 127.0.0.1 into the machine's own address when it connects. ``HOME``
+(Ray writes its auth token to ``~/.ray``; vLLM its config to ``~/.config/vllm``) lies under the
+test's tmp; Ray's temp directory is a fresh one in the system's (Ray refuses one inside the
+virtualenv, where nox keeps the test's tmp, and its socket paths must stay short), its logs copied
+to the test's tmp and the rest removed at the stop. It runs in its own session and is stopped by
+PID (SIGTERM to ``ray start``, which stops what it started; then anything of the session left is
 SIGKILLed). The API server connects to it through ``RAY_ADDRESS``; vLLM's ``CoreEngineActorManager``
 builds the DP engine cores as Ray actors (workers too: the Ray executor), whose output Ray
 forwards to the API server's log.
@@ -20,9 +22,11 @@ server, once per mode and session; the tests are ``tests/e2e/test_ray.py``.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +78,8 @@ def ray_env(home: Path) -> dict[str, str]:
         "HOME": str(home),
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
+        # Ray folds log lines that differ only in numbers (two ranks' stats lines) into one.
+        "RAY_DEDUP_LOGS": "0",
         "VLLM_HOST_IP": LOOPBACK,
         RAY_DEVICE_KEY_ENV: DEVICE_KEY,
         "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT)]),
@@ -86,7 +92,7 @@ class RayCluster:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.home = workdir / "home"
-        self.temp_dir = workdir / "ray"
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="vbal-ray-"))
         self.log_path = workdir / "ray.log"
         self.port = 0
         self.process: subprocess.Popen | None = None
@@ -166,6 +172,10 @@ class RayCluster:
             except ProcessLookupError:
                 pass
         self.stop_report = {"returncode": self.process.poll(), "killed": killed}
+        logs = self.temp_dir / "session_latest" / "logs"
+        if logs.is_dir():
+            shutil.copytree(logs, self.workdir / "ray-logs", dirs_exist_ok=True)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
         return self.stop_report
 
     def log(self) -> str:
