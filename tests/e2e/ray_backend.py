@@ -4,8 +4,8 @@ A local Ray cluster is started as an operator would (``ray start --head --block`
 node address 127.0.0.1, and ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, Ray's own single-machine
 mode, without which Ray turns 127.0.0.1 into the machine's own address when it connects. ``HOME``
 (Ray writes its auth token to ``~/.ray``; vLLM its config to ``~/.config/vllm``) lies under the
-test's tmp; Ray's temp directory is a fresh one in the system's (Ray refuses one inside the
-virtualenv, where nox keeps the test's tmp, and its socket paths must stay short), its logs copied
+test's tmp; Ray's temp directory is a fresh one in /tmp (Ray refuses one inside the virtualenv,
+where nox keeps the test's tmp and TMPDIR, and its socket paths must stay short), its logs copied
 to the test's tmp and the rest removed at the stop. It runs in its own session and is stopped by
 PID (SIGTERM to ``ray start``, which stops what it started; then anything of the session left is
 SIGKILLed). The API server connects to it through ``RAY_ADDRESS``; vLLM's ``CoreEngineActorManager``
@@ -92,7 +92,8 @@ class RayCluster:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.home = workdir / "home"
-        self.temp_dir = Path(tempfile.mkdtemp(prefix="vbal-ray-"))
+        # Not $TMPDIR: nox points it into the virtualenv.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="vbal-ray-", dir="/tmp"))
         self.log_path = workdir / "ray.log"
         self.port = 0
         self.process: subprocess.Popen | None = None
@@ -198,7 +199,7 @@ class RayRunCache(RunCache):
     def run(self, mode: Mode) -> RayRun:  # type: ignore[override]
         record = RayRun(mode)
         workdir = self.workdir / mode.name
-        workdir.mkdir(parents=True)
+        (workdir / "steps").mkdir(parents=True)  # step_timing's records, every rank's
         cluster = RayCluster(workdir)
         try:
             with cluster:
