@@ -6,7 +6,9 @@ each actor; ``EngineCoreProc.run_engine_core``, where ``vllm_balance.activation`
 vLLM's own launcher, never runs there, and the actor's bases were bound when vLLM's module was
 defined. So the API server chooses (``activation.choose_ray_actor_class``, behind the
 ``registry.RAY_ACTOR_MANAGER_WRAPPER``) and the actor activates (this class's ``__init__``).
-Ray pickles the class by reference: each actor imports it from here.
+Ray pickles the class by reference: each actor imports it from here. Patching vLLM's classes
+inside the actor instead could not work: ``ray.remote`` gives the actor a subclass holding its
+own wrapped copy of every method, made in the API server.
 """
 
 from __future__ import annotations
