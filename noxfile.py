@@ -333,7 +333,16 @@ def e2e(session: nox.Session) -> None:
 def e2e_controls(session: nox.Session) -> None:
     """Lesson A's negative control on the real server: a silent hang, /health 200 (slow)."""
     install_e2e(session)
-    run_pytest(session, "slow and not multinode", e2e_basetemp(session), "tests/e2e")
+    run_pytest(session, "slow and not multinode and not shapes", e2e_basetemp(session), "tests/e2e")
+
+
+@nox.session(name="e2e-shapes")
+def e2e_shapes(session: nox.Session) -> None:
+    """DP deployment shapes beyond CI's: the Ray DP backend (a local Ray cluster on loopback) and
+    multi-port external LB, balance on and off; `-- -m shapes` adds hybrid LB at DP=4."""
+    install_e2e(session)
+    session.install("--no-deps", "-r", "requirements/ray.txt")
+    run_pytest(session, "shapes and not hybrid", e2e_basetemp(session), "tests/e2e")
 
 
 @nox.session(name="e2e-multinode")

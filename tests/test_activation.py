@@ -113,21 +113,24 @@ IDENTITY_PROBE = textwrap.dedent(
     from vllm.v1.engine.core import EngineCoreProc
     wrapper = EngineCoreProc.__dict__["run_engine_core"].__func__
     # Negative control: the decode patch the API server gets with VLLM_BALANCE_METRICS=1.
-    from vllm_balance.registry import STATS_DECODED_WITH_BALANCE
+    from vllm_balance.registry import STATS_DECODED_WITH_BALANCE, ray_backend_present
     STATS_DECODED_WITH_BALANCE.install()
     print(json.dumps({"active": active, "changed": changed(before, after),
+                      "ray_backend_present": ray_backend_present(),
                       "control": changed(after, snapshot()),
                       "wrapper": f"{wrapper.__module__}.{wrapper.__qualname__}",
                       "stat_loggers": [f.__name__ for f in factories]}))
     """
 )
 RUN_ENGINE_CORE_NAME = "vllm.v1.engine.core.EngineCoreProc.run_engine_core"
+RAY_MANAGER_INIT_NAME = "vllm.v1.engine.utils.CoreEngineActorManager.__init__"
 
 
 def test_installed_with_balance_off_every_vllm_object_is_upstreams_but_the_pass_through_wrapper():
     """The one object that differs: ``EngineCoreProc.run_engine_core``, the wrapper a general
-    plugin needs (it is the first code that sees an engine process's config); with balance off
-    it passes straight through. No annotation is rewritten, no class swapped. Control: the
+    plugin needs (it is the first code that sees an engine process's config), and where Ray is
+    installed the Ray launcher's ``CoreEngineActorManager.__init__`` (the same, for Ray's actors);
+    with balance off they pass straight through. No annotation is rewritten, no class swapped. Control: the
     probe does see the API server's decode patch (an annotation rewrite) once it is installed."""
     import json
     import os
@@ -141,7 +144,11 @@ def test_installed_with_balance_off_every_vllm_object_is_upstreams_but_the_pass_
     assert result.returncode == 0, result.stderr[-3000:]
     facts = json.loads(result.stdout.splitlines()[-1])
     assert facts["active"] is False
-    assert facts["changed"] == [RUN_ENGINE_CORE_NAME], facts["changed"]
+    # Where Ray is installed, the Ray launcher's constructor is wrapped too (plugin.py says why).
+    expected = [RUN_ENGINE_CORE_NAME] + (
+        [RAY_MANAGER_INIT_NAME] if facts["ray_backend_present"] else []
+    )
+    assert sorted(facts["changed"]) == sorted(expected), facts["changed"]
     assert facts["wrapper"] == "vllm_balance.activation.balance_run_engine_core"
     assert facts["stat_loggers"] == ["BalanceStatLogger"]
     assert "vllm.v1.engine.EngineCoreOutputs.__annotations__[]" in facts["control"], facts

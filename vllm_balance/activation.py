@@ -10,6 +10,10 @@ process's ``VllmConfig`` in hand, and decides for this process only:
   vLLM would build (``Scheduler`` or ``AsyncScheduler``);
 - anything else: the upstream ``DPEngineCoreProc`` is restored and the config is not touched.
 
+With ``--data-parallel-backend ray`` no engine core runs ``run_engine_core``: the API server
+chooses the actors' class (``choose_ray_actor_class``) and each actor calls ``activate_for``
+itself (``vllm_balance.ray_actor``).
+
 NOTE(load-bearing): if upstream ever binds ``DPEngineCoreProc`` at import time (or moves the
 construction out of ``run_engine_core``), the swap silently stops working;
 ``tests/test_activation.py`` checks it by behaviour.
@@ -31,7 +35,12 @@ from vllm_balance.config import (
     hand_over,
 )
 from vllm_balance.log import logger
-from vllm_balance.registry import DP_ENGINE_CORE_SWAP, RUN_ENGINE_CORE_WRAPPER
+from vllm_balance.registry import (
+    DP_ENGINE_CORE_SWAP,
+    RAY_ACTOR_MANAGER_WRAPPER,
+    RAY_ACTOR_SWAP,
+    RUN_ENGINE_CORE_WRAPPER,
+)
 from vllm_balance.takeover import (
     import_vllm_ascend_patches,
     init_vllm_ascend_config,
@@ -166,29 +175,42 @@ def select_scheduler_cls(vllm_config: Any) -> type:
     return balance_cls
 
 
-def activate_for(vllm_config: Any, log_stats: bool | None = None) -> bool:
+def activate_for(
+    vllm_config: Any,
+    log_stats: bool | None = None,
+    dp_rank: int | None = None,
+    engine_core: type | None = None,
+) -> bool:
     """Install or remove balance for this engine process; returns whether it is active.
 
     ``log_stats``: whether this engine core collects vLLM's stats (they carry the metrics).
+    ``dp_rank``: this engine's DP rank, for the log line (vLLM sets it in the config only after).
+    ``engine_core``: the class already chosen for this process (a Ray actor's, built by the API
+    server: see ``RAY_ACTOR_MANAGER_WRAPPER``); None: the ``DPEngineCoreProc`` swap decides it.
     """
     applies = balance_applies(vllm_config)
     if applies is None:
-        DP_ENGINE_CORE_SWAP.uninstall()
+        if engine_core is None:
+            DP_ENGINE_CORE_SWAP.uninstall()
         return False
     options, foreign = applies
     _take_over_if_requested(vllm_config, options, foreign)
     scheduler_cls = select_scheduler_cls(vllm_config)
     hand_over(vllm_config, options)  # the scheduler vLLM builds next reads no config again
-    DP_ENGINE_CORE_SWAP.install()
+    if engine_core is None:
+        DP_ENGINE_CORE_SWAP.install()
+        # What run_engine_core will build (the swapped module-global), not a fixed name.
+        engine_core = DP_ENGINE_CORE_SWAP.current()
     from vllm_balance.selection import active_path
 
+    parallel_config = vllm_config.parallel_config
     logger.info(
-        "balance scheduling active: DP=%d, MoE, path=%s, scheduler=%s, engine core=%s",
-        vllm_config.parallel_config.data_parallel_size,
+        "balance scheduling active: DP%d of DP=%d, MoE, path=%s, scheduler=%s, engine core=%s",
+        parallel_config.data_parallel_rank if dp_rank is None else dp_rank,
+        parallel_config.data_parallel_size,
         active_path(),
         scheduler_cls.__name__,
-        # What run_engine_core will build (the swapped module-global), not a fixed name.
-        DP_ENGINE_CORE_SWAP.current().__name__,
+        engine_core.__name__,
     )
     from vllm_balance.shim.metrics import export_status
 
@@ -217,9 +239,33 @@ def _take_over_if_requested(vllm_config: Any, options: BalanceOptions, foreign: 
 
 def balance_run_engine_core(*args: Any, dp_rank: int = 0, local_dp_rank: int = 0, **kwargs: Any):
     """Replacement for ``EngineCoreProc.run_engine_core``: decide, then run upstream's."""
-    activate_for(kwargs.get("vllm_config"), kwargs.get("log_stats"))
+    activate_for(kwargs.get("vllm_config"), kwargs.get("log_stats"), dp_rank)
     upstream = RUN_ENGINE_CORE_WRAPPER.upstream()
     return upstream(*args, dp_rank=dp_rank, local_dp_rank=local_dp_rank, **kwargs)
 
 
 RUN_ENGINE_CORE_WRAPPER.replacement = lambda: registry.static_wrapper(balance_run_engine_core)
+
+
+def choose_ray_actor_class(vllm_config: Any) -> bool:
+    """The API server's decision for Ray engine-core actors; returns whether balance applies.
+
+    With Ray, vLLM's ``CoreEngineActorManager`` (in the API server) resolves
+    ``vllm.v1.engine.core.DPMoEEngineCoreActor`` by module-global name and Ray builds that class
+    in each actor: ``run_engine_core`` never runs there, so the class must be chosen here, from
+    the same config the actors get (each actor's ``__init__`` then activates, as
+    ``run_engine_core``'s wrapper does: ``vllm_balance.shim.engine_core``). Bad keys and
+    impossible configs are refused here, before any actor starts.
+    """
+    applies = balance_applies(vllm_config) is not None
+    (RAY_ACTOR_SWAP.install if applies else RAY_ACTOR_SWAP.uninstall)()
+    return applies
+
+
+def balance_actor_manager_init(manager: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+    """Replacement for ``CoreEngineActorManager.__init__``: decide, then run upstream's."""
+    choose_ray_actor_class(vllm_config)
+    RAY_ACTOR_MANAGER_WRAPPER.upstream()(manager, vllm_config, *args, **kwargs)
+
+
+RAY_ACTOR_MANAGER_WRAPPER.replacement = lambda: balance_actor_manager_init

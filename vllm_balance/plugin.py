@@ -12,7 +12,11 @@ class are chosen after it). With balance off the wrapper passes straight through
 
 The API server decodes each engine's balance counters (``registry.STATS_DECODED_WITH_BALANCE``)
 only where ``VLLM_BALANCE_METRICS=1`` asks for it: it must be in place before vLLM builds its
-engine client, when the plugin cannot yet know whether balance is on.
+engine client, when the plugin cannot yet know whether balance is on. With the Ray DP backend
+(where ``ray`` is importable) the API server's ``CoreEngineActorManager.__init__`` gets a second
+wrapper, for the same reason: Ray never calls ``run_engine_core``, and that constructor is where
+vLLM picks the engine-core actors' class with the config in hand (``vllm_balance.ray_actor``);
+with balance off it too passes straight through.
 
 Next to vllm-ascend, whose platform patches wrap ``run_engine_core`` too, the wrapper must be
 reached whatever the plugin order: vllm-ascend's patches are applied first (its own plugins do the
@@ -26,9 +30,9 @@ from vllm_balance.log import logger
 
 
 def register() -> None:
-    from vllm_balance.activation import RUN_ENGINE_CORE_WRAPPER
+    from vllm_balance.activation import RAY_ACTOR_MANAGER_WRAPPER, RUN_ENGINE_CORE_WRAPPER
     from vllm_balance.config import metrics_decoding_requested
-    from vllm_balance.registry import STATS_DECODED_WITH_BALANCE
+    from vllm_balance.registry import STATS_DECODED_WITH_BALANCE, ray_backend_present
     from vllm_balance.takeover import import_vllm_ascend_patches
 
     import_vllm_ascend_patches()
@@ -36,6 +40,8 @@ def register() -> None:
         RUN_ENGINE_CORE_WRAPPER.install()
     if metrics_decoding_requested():
         STATS_DECODED_WITH_BALANCE.install()
+    if ray_backend_present():  # the API server chooses the Ray actors' class: vllm_balance.ray_actor
+        RAY_ACTOR_MANAGER_WRAPPER.install()
     logger.debug(
         "vllm-balance-scheduling plugin registered (%s wrapped)", RUN_ENGINE_CORE_WRAPPER.name
     )

@@ -147,6 +147,73 @@ DP_ENGINE_CORE_SWAP = RuntimePatch(
 )
 
 
+def _core_engine_actor_manager() -> Any:
+    from vllm.v1.engine.utils import CoreEngineActorManager
+
+    return CoreEngineActorManager
+
+
+def _balance_dp_moe_actor() -> Any:
+    from vllm_balance.ray_actor import BalanceDPMoEEngineCoreActor
+
+    return BalanceDPMoEEngineCoreActor
+
+
+def ray_backend_present() -> bool:
+    """Whether Ray is installed and this vLLM has the Ray engine-core actor names the two Ray
+    entries replace: without Ray, vLLM cannot start the Ray DP backend, and the plugin changes
+    nothing there."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        return False
+    import vllm.v1.engine.core as core
+    import vllm.v1.engine.utils as utils
+
+    return hasattr(utils, "CoreEngineActorManager") and hasattr(core, "DPMoEEngineCoreActor")
+
+
+# vllm.v1.engine.utils.CoreEngineActorManager.__init__
+#   Why:
+#     with --data-parallel-backend ray the engine cores are Ray actors: run_engine_core never runs
+#     there; the actor class is resolved in the API server, by this __init__, and Ray builds it in
+#     each actor, so the API server is the one place that can choose it, with the config in hand
+#   How:
+#     wrapper (vllm_balance.activation.balance_actor_manager_init) that validates the config and
+#     installs the DPMoEEngineCoreActor swap below when balance applies, removes it otherwise,
+#     then calls upstream's __init__ (also scale_up_elastic_ep resolves the name again: same class)
+#   Related PR:
+#     none yet (same engine-core hook as above; an actor-class hook would also do)
+#   Future Plan:
+#     drop with an upstream engine-core step hook
+RAY_ACTOR_MANAGER_WRAPPER = RuntimePatch(
+    name="vllm.v1.engine.utils.CoreEngineActorManager.__init__",
+    owner=_core_engine_actor_manager,
+    attribute="__init__",
+    replacement=provided_by("vllm_balance.activation"),
+)
+
+# vllm.v1.engine.core.DPMoEEngineCoreActor
+#   Why:
+#     DPMoEEngineCoreActor's bases are bound when vLLM's module is defined: the DPEngineCoreProc
+#     swap does not reach it, so a Ray engine core would never gather (balance silently absent)
+#   How:
+#     module-global name swapped (in the API server, by the wrapper above) to
+#     BalanceDPMoEEngineCoreActor, a subclass of vLLM's actor with BalanceDPEngineCoreProc in its
+#     MRO; Ray pickles the class by reference, so each actor imports it from this package, and its
+#     __init__ activates (scheduler class, log line) before upstream's __init__ runs
+#   Related PR:
+#     none yet (same engine-core hook as above)
+#   Future Plan:
+#     drop with an upstream engine-core step hook
+RAY_ACTOR_SWAP = RuntimePatch(
+    name="vllm.v1.engine.core.DPMoEEngineCoreActor",
+    owner=engine_core_module,
+    attribute="DPMoEEngineCoreActor",
+    replacement=_balance_dp_moe_actor,
+)
+
+
 def _engine_core_outputs() -> Any:
     from vllm.v1.engine import EngineCoreOutputs
 
@@ -198,6 +265,8 @@ STATS_DECODED_WITH_BALANCE = RuntimePatch(
 ALL_PATCHES: tuple[RuntimePatch, ...] = (
     RUN_ENGINE_CORE_WRAPPER,
     DP_ENGINE_CORE_SWAP,
+    RAY_ACTOR_MANAGER_WRAPPER,
+    RAY_ACTOR_SWAP,
     STATS_DECODED_WITH_BALANCE,
 )
 

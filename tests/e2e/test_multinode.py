@@ -18,7 +18,13 @@ import shlex
 
 import pytest
 
-from tests.e2e.multinode import BLOCKED_SLACK_S, NODE_ENV, RPC_PORT, TWO_HOST_MODES
+from tests.e2e.multinode import (
+    BLOCKED_SLACK_S,
+    NODE_ENV,
+    RPC_PORT,
+    TWO_HOST_MODES,
+    frozen_decisions,
+)
 from tests.e2e.runs import (
     BALANCE_PREFIX,
     LOAD_REQUESTS,
@@ -88,9 +94,11 @@ def test_the_dp_group_crosses_the_veth_to_the_other_host(two_host_runs, name):
 @TIMEOUT
 def test_each_host_activates_balance_for_its_own_rank(two_host_runs, name):
     run = two_host_runs.get(name)
-    for node in ("head", "node1"):
+    for rank, node in enumerate(("head", "node1")):
         lines = activation_lines(run.serving_log[node])
-        assert [(line["dp"], line["path"]) for line in lines] == [("2", run.mode.path)], lines
+        assert [(line["rank"], line["dp"], line["path"]) for line in lines] == [
+            (str(rank), "2", run.mode.path)
+        ], lines
 
 
 @pytest.mark.parametrize("name", ON_ROWS)
@@ -101,10 +109,7 @@ def test_both_ranks_freeze_on_the_same_steps(two_host_runs, name):
     they decided alike (step records keyed by the gather number, which is the same collective on
     every rank), and they froze together."""
     run = two_host_runs.get(name)
-    decisions: dict[int, dict[int, bool]] = {}
-    for record in run.steps:
-        if "gather" in record:
-            decisions.setdefault(record["gather"], {})[record["rank"]] = record["frozen"]
+    decisions = frozen_decisions(run.steps)
     both = {gather: ranks for gather, ranks in decisions.items() if len(ranks) == 2}
     disagreeing = {gather: ranks for gather, ranks in both.items() if ranks[0] != ranks[1]}
     assert disagreeing == {}

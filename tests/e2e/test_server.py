@@ -70,6 +70,7 @@ def test_log_names_the_activated_path_scheduler_and_engine_core(server_runs, mod
     lines = activation_lines(run.log)
     # One line per engine-core process (DP=2), each naming what this mode must run.
     assert [(line["dp"], line["path"]) for line in lines] == [("2", run.mode.path)] * 2, lines
+    assert sorted(line["rank"] for line in lines) == ["0", "1"], lines  # each names its rank
     assert {line["scheduler"] for line in lines} == {
         "BalanceScheduler" if mode == "shim" else "CompatBalanceScheduler"
     }

@@ -241,6 +241,28 @@ def keep_paused_rank_gathers_its_running() -> None:
     scheduler.PAUSED_ALL = None  # the gather's pause check never matches
 
 
+def ray_actor_class_not_chosen() -> None:
+    """The API server's decision never swaps in the balance Ray actor (balance silently absent)."""
+    from vllm_balance import activation
+
+    def choose_ray_actor_class(vllm_config) -> bool:
+        applies = activation.balance_applies(vllm_config) is not None
+        activation.RAY_ACTOR_SWAP.uninstall()
+        return applies
+
+    activation.choose_ray_actor_class = choose_ray_actor_class
+
+
+def ray_actor_skips_activation() -> None:
+    """The balance Ray actor runs upstream's ``__init__`` without activating (no scheduler)."""
+    from vllm_balance.ray_actor import BalanceDPMoEEngineCoreActor
+
+    def __init__(self, *args, **kwargs) -> None:
+        super(BalanceDPMoEEngineCoreActor, self).__init__(*args, **kwargs)
+
+    BalanceDPMoEEngineCoreActor.__init__ = __init__
+
+
 def pd_refusal_misses_kv_consumer() -> None:
     """The PD-disaggregated refusal checks ``kv_producer`` only (a decode instance slips in)."""
     from vllm_balance import activation
@@ -388,6 +410,20 @@ MUTANTS = {
                 "tests/multiproc/test_pause.py::"
                 "test_keep_paused_rank_at_the_cap_does_not_freeze_the_other_rank",
             ),
+        ),
+        Mutant(
+            "ray_actor_class_not_chosen",
+            "Ray backend: the API server keeps vLLM's `DPMoEEngineCoreActor` with balance on",
+            ("shim", "compat"),
+            ray_actor_class_not_chosen,
+            files=("tests/test_ray_actor.py",),
+        ),
+        Mutant(
+            "ray_actor_skips_activation",
+            "Ray backend: the balance actor does not activate in its `__init__`",
+            ("shim", "compat"),
+            ray_actor_skips_activation,
+            files=("tests/test_ray_actor.py",),
         ),
         Mutant(
             "pd_refusal_misses_kv_consumer",

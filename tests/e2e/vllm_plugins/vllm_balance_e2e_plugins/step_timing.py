@@ -86,7 +86,6 @@ def install(directory: Path) -> None:
 
     out = open(directory / f"steps-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
     _state["out"] = out
-    original_step = EngineCoreProc._process_engine_step
     original_update = Scheduler.update_from_output
 
     def update_from_output(self, scheduler_output, model_runner_output):
@@ -96,28 +95,47 @@ def install(directory: Path) -> None:
         _state["work"] = step_work(scheduler_output, context)
         return original_update(self, scheduler_output, model_runner_output)
 
-    def _process_engine_step(self):
-        _state["work"] = None
-        balance = getattr(self.scheduler, "balance_stats", None)
-        gathers, steps_before = (balance.gathers, balance.steps) if balance else (None, None)
-        began, cpu_s, device_ms = time.monotonic(), rank_cpu_s(), EMULATED["device_ms"]
-        scheduled = self.scheduler.has_requests()  # step() calls schedule() only then
-        executed = original_step(self)
-        ms = (time.monotonic() - began) * 1000.0
-        rank = self.vllm_config.parallel_config.data_parallel_rank
-        record = {"rank": rank, "t": round(began, 6), "ms": round(ms, 3), "executed": executed}
-        if balance is not None and balance.steps > steps_before:  # schedule() ran this step
-            record.update(gather=gathers, frozen=bool(self.scheduler.admission_frozen))
-        record.update(_state["work"] or {})
-        record.update(cpu_s=round(cpu_s, 6), device_ms=round(device_ms, 3))
-        record["running"] = len(self.scheduler.running)
-        if scheduled and hasattr(self.scheduler, "admission_frozen"):
-            record["frozen"] = bool(self.scheduler.admission_frozen)
-        out.write(json.dumps(record) + "\n")
-        return executed
+    def timed(original_step):
+        def _process_engine_step(self):
+            return _timed_step(self, original_step, out)
+
+        return _process_engine_step
 
     Scheduler.update_from_output = update_from_output
-    EngineCoreProc._process_engine_step = _process_engine_step
+    EngineCoreProc._process_engine_step = timed(EngineCoreProc._process_engine_step)
+    # A Ray engine-core actor's class (ray.remote's subclass) holds its own wrapped copy of every
+    # method, made in the API server: the wrapper on EngineCoreProc does not reach it.
+    for cls in _subclasses(EngineCoreProc):
+        if "__ray_actor_class__" in vars(cls) and "_process_engine_step" in vars(cls):
+            cls._process_engine_step = timed(vars(cls)["_process_engine_step"])
+
+
+def _subclasses(cls: type):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def _timed_step(self, original_step, out) -> bool:
+    """One busy-loop step of an engine core, run and recorded."""
+    _state["work"] = None
+    balance = getattr(self.scheduler, "balance_stats", None)
+    gathers, steps_before = (balance.gathers, balance.steps) if balance else (None, None)
+    began, cpu_s, device_ms = time.monotonic(), rank_cpu_s(), EMULATED["device_ms"]
+    scheduled = self.scheduler.has_requests()  # step() calls schedule() only then
+    executed = original_step(self)
+    ms = (time.monotonic() - began) * 1000.0
+    rank = self.vllm_config.parallel_config.data_parallel_rank
+    record = {"rank": rank, "t": round(began, 6), "ms": round(ms, 3), "executed": executed}
+    if balance is not None and balance.steps > steps_before:  # schedule() ran this step
+        record.update(gather=gathers, frozen=bool(self.scheduler.admission_frozen))
+    record.update(_state["work"] or {})
+    record.update(cpu_s=round(cpu_s, 6), device_ms=round(device_ms, 3))
+    record["running"] = len(self.scheduler.running)
+    if scheduled and hasattr(self.scheduler, "admission_frozen"):
+        record["frozen"] = bool(self.scheduler.admission_frozen)
+    out.write(json.dumps(record) + "\n")
+    return executed
 
 
 def register() -> None:
@@ -125,8 +143,17 @@ def register() -> None:
     if not directory or _state:
         return
     # Only engine cores step; the front end and workers load the same plugins and are skipped.
-    import multiprocessing
-
-    if not multiprocessing.current_process().name.startswith("EngineCore"):
+    if not _is_engine_core():
         return
     install(Path(directory))
+
+
+def _is_engine_core() -> bool:
+    """vLLM's launcher names the process EngineCore_DP<r>; a Ray engine-core actor's title (Ray
+    sets it) is ``ray::<actor class>``, a class named ...EngineCoreActor."""
+    import multiprocessing
+
+    if multiprocessing.current_process().name.startswith("EngineCore"):
+        return True
+    title = Path("/proc/self/cmdline").read_bytes().split(b"\0")[0]
+    return title.startswith(b"ray::") and b"EngineCoreActor" in title
