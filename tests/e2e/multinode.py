@@ -108,6 +108,7 @@ class TwoHostRun:
     # Engine-core process title -> remote addresses of its established TCP connections.
     peers: dict[str, list[str]] = field(default_factory=dict)
     steps: list[dict] = field(default_factory=list)  # step_timing records of both nodes
+    while_up: dict = field(default_factory=dict)  # RunCache.while_up's checks, on the head
     pause: dict | None = None  # the SIGSTOP / SIGCONT fault
     kill: dict | None = None  # the SIGKILL fault
     stop_report: dict = field(default_factory=dict)  # node -> VllmServer.stop_report
@@ -218,6 +219,8 @@ class TwoHostRunCache(RunCache):
             probe_after_the_load(head, record)
             record.serving_log = {name: s.log_text() for name, s in servers.items()}
             record.steps = step_records(workdir)
+            for name, check in self.while_up.get(record.mode.name, {}).items():
+                record.while_up[name] = check(head)  # on this thread: the head's namespace
             if record.mode.faults:
                 record.pause = pause_headless_engine_core(head, node1, record.mode)
                 record.kill = kill_headless_node(head, node1)
