@@ -14,8 +14,10 @@ import functools
 import pytest
 
 from tests.e2e.test_prometheus import (
+    assert_no_stall_alert,
     assert_rules_equal_the_servers_counters,
     assert_series_per_engine,
+    assert_stored_within_a_scrape,
     checked,
     prometheus_check,
 )
@@ -38,3 +40,11 @@ def test_both_engines_in_every_rule_and_dashboard_query_under_load(check):
 def test_rules_equal_the_head_servers_counters_after_the_load(check):
     assert check["load_error"] is None
     assert_rules_equal_the_servers_counters(check)
+
+
+def test_the_head_servers_counters_are_stored_within_a_scrape(check):
+    assert_stored_within_a_scrape(check)
+
+
+def test_no_stall_alert_on_the_healthy_two_host_server(check):
+    assert_no_stall_alert(check)
