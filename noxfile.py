@@ -109,9 +109,16 @@ TEST_SESSIONS = {
 }
 
 
+def install_prometheus(session: nox.Session) -> None:
+    """Debian's prometheus package (promtool, prometheus) unpacked into the cache, for the tests
+    of deploy/'s rules; where it cannot be installed (exit 3) they skip with the reason."""
+    session.run("python", "tools/prometheus_binaries.py", "install", success_codes=[0, 3])
+
+
 def _test_session(pin_name: str, seam: bool):
     def tests(session: nox.Session) -> None:
         install_pinned_vllm(session, pin_name, seam=seam)
+        install_prometheus(session)
         run_pytest(session, "not slow")
 
     tests.__doc__ = f"The suite on vLLM from pins/{pin_name}.txt, " + (
@@ -324,8 +331,10 @@ def e2e_basetemp(session: nox.Session) -> str:
 
 @nox.session
 def e2e(session: nox.Session) -> None:
-    """A real vLLM server on CPU, DP=2 tiny MoE: balance off / shim / compat (tests/e2e)."""
+    """A real vLLM server on CPU, DP=2 tiny MoE: balance off / shim / compat, and a real
+    Prometheus scraping the shim row with deploy/'s rules (tests/e2e)."""
     install_e2e(session)
+    install_prometheus(session)
     run_pytest(session, "not slow", e2e_basetemp(session), "tests/e2e")
 
 
@@ -348,9 +357,14 @@ def e2e_shapes(session: nox.Session) -> None:
 @nox.session(name="e2e-multinode")
 def e2e_multinode(session: nox.Session) -> None:
     """Multi-node DP on two hosts (network namespaces, needs root): balance off / shim / compat,
-    metrics of every rank on the head's /metrics, the headless node paused and killed."""
+    metrics of every rank on the head's /metrics (and in a real Prometheus), the headless node
+    paused and killed."""
     install_e2e(session)
-    run_pytest(session, "multinode", e2e_basetemp(session), "tests/e2e/test_multinode.py")
+    install_prometheus(session)
+    run_pytest(
+        session, "multinode", e2e_basetemp(session),
+        "tests/e2e/test_multinode.py", "tests/e2e/test_prometheus_two_hosts.py",
+    )  # fmt: skip
 
 
 @nox.session(name="bench-serve")

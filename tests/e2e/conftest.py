@@ -42,18 +42,20 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def server_runs(tiny_model, tmp_path_factory):
+def server_runs(tiny_model, tmp_path_factory, request):
     from tests.e2e.runs import RunCache
 
     cache = RunCache(tiny_model, tmp_path_factory.mktemp("servers"))
+    cache.register_while_up(request.session.items)
     yield cache
     cache.close()
 
 
 @pytest.fixture(scope="session")
-def two_host_runs(tiny_model, tmp_path_factory):
+def two_host_runs(tiny_model, tmp_path_factory, request):
     from tests.e2e.multinode import TwoHostRunCache
 
     cache = TwoHostRunCache(tiny_model, tmp_path_factory.mktemp("two-hosts"))
+    cache.register_while_up(request.session.items, "WHILE_UP_TWO_HOSTS")
     yield cache
     cache.close()

@@ -108,6 +108,7 @@ class TwoHostRun:
     # Engine-core process title -> remote addresses of its established TCP connections.
     peers: dict[str, list[str]] = field(default_factory=dict)
     steps: list[dict] = field(default_factory=list)  # step_timing records of both nodes
+    while_up: dict = field(default_factory=dict)  # RunCache.while_up's checks, on the head
     pause: dict | None = None  # the SIGSTOP / SIGCONT fault
     kill: dict | None = None  # the SIGKILL fault
     stop_report: dict = field(default_factory=dict)  # node -> VllmServer.stop_report
@@ -218,6 +219,8 @@ class TwoHostRunCache(RunCache):
             probe_after_the_load(head, record)
             record.serving_log = {name: s.log_text() for name, s in servers.items()}
             record.steps = step_records(workdir)
+            for name, check in self.while_up.get(record.mode.name, {}).items():
+                record.while_up[name] = check(head)  # on this thread: the head's namespace
             if record.mode.faults:
                 record.pause = pause_headless_engine_core(head, node1, record.mode)
                 record.kill = kill_headless_node(head, node1)
@@ -270,7 +273,7 @@ def frozen_decisions(steps: list[dict]) -> dict[int, dict[int, bool]]:
     return decisions
 
 
-def _wait_for(condition, timeout_s: float, poll_s: float = 0.2):
+def wait_for(condition, timeout_s: float, poll_s: float = 0.2):
     """Seconds until ``condition()`` is true, or None after ``timeout_s``."""
     began = time.monotonic()
     while time.monotonic() - began < timeout_s:
@@ -307,7 +310,7 @@ def pause_headless_engine_core(head: VllmServer, node1: VllmServer, mode: Mode) 
     for _ in range(STOP_ATTEMPTS):
         os.kill(victim, signal.SIGSTOP)
         stopped = time.monotonic()
-        blocked_after_s = _wait_for(
+        blocked_after_s = wait_for(
             lambda: _head_watchdog(head, since, "blocked"),
             DEFAULT_GATHER_WARN_S + BLOCKED_SLACK_S,
         )
@@ -318,7 +321,7 @@ def pause_headless_engine_core(head: VllmServer, node1: VllmServer, mode: Mode) 
         os.kill(victim, signal.SIGCONT)
         attempt["stopped_s"] = round(time.monotonic() - stopped, 1)
         if blocked_after_s is not None:
-            attempt["unblocked_after_s"] = _wait_for(
+            attempt["unblocked_after_s"] = wait_for(
                 lambda: _head_watchdog(head, since, "unblocked"), 30.0
             )
         attempts.append(attempt)
@@ -351,7 +354,7 @@ def kill_headless_node(head: VllmServer, node1: VllmServer) -> dict:
     killed = time.monotonic()
     load.join(timeout=FAULT_WINDOW_S)
     clients_done_s = None if load.is_alive() else round(load.progress.last_finished - killed, 1)
-    head_exit_s = _wait_for(lambda: head.process.poll() is not None, FAULT_WINDOW_S, 0.25)
+    head_exit_s = wait_for(lambda: head.process.poll() is not None, FAULT_WINDOW_S, 0.25)
     outcomes = load.outcomes or []
     return {
         "killed": len(victims),
@@ -378,6 +381,6 @@ def stop_both(head: VllmServer, node1: VllmServer) -> tuple[dict, bool | None]:
     report = {"head": head.stop()}
     followed = None  # the headless node was gone (killed) before the head stopped
     if node1_running:
-        followed = _wait_for(lambda: node1.process.poll() is not None, STOP_TIMEOUT_S) is not None
+        followed = wait_for(lambda: node1.process.poll() is not None, STOP_TIMEOUT_S) is not None
     report["node1"] = node1.stop()
     return report, followed

@@ -75,7 +75,8 @@ class ServerRun:
     leftovers: list[str] = field(default_factory=list)
     serving_log: str = ""  # start-up and load, before the stop began
     log: str = ""  # everything, shutdown included
-    while_up: Any = None  # what RunCache.while_up[mode] returned (docs' commands, as written)
+    # What each of RunCache.while_up[mode]'s checks returned, by the check's name.
+    while_up: dict[str, Any] = field(default_factory=dict)
 
     def texts(self) -> dict[str, str]:
         return {o.prompt.key: o.text for o in self.outcomes}
@@ -252,9 +253,9 @@ class RunCache:
         self._failures: dict[str, str] = {}
         self._skips: dict[str, str] = {}
         self._seam_touched = False
-        # A check a test makes on a mode's live server, after its load and /metrics scrape,
-        # before the stop (tests/e2e/test_laptop_doc.py: the docs' commands against it).
-        self.while_up: dict[str, Callable[[VllmServer], Any]] = {}
+        # Checks tests make on a mode's live server, after its load and /metrics scrape, before
+        # the stop: mode -> {name: check} (``register_while_up``).
+        self.while_up: dict[str, dict[str, Callable[[VllmServer], Any]]] = {}
 
     def get(self, name: str) -> ServerRun:
         if name in self._failures:
@@ -274,6 +275,16 @@ class RunCache:
                 self._failures[name] = f"{name} server: {exc}"
                 raise
         return self._runs[name]
+
+    def register_while_up(self, items: list, attribute: str = "WHILE_UP") -> None:
+        """The while-up checks of the selected tests' modules: each module that needs one
+        declares ``{mode: {name: check}}`` in ``attribute`` (tests/e2e/test_laptop_doc.py: the
+        docs' commands against the shim server; tests/e2e/test_prometheus.py: a Prometheus
+        scraping it). Registered before any server starts, so test order does not matter."""
+        modules = {item.module for item in items if getattr(item, "module", None) is not None}
+        for module in sorted(modules, key=lambda m: m.__name__):
+            for mode, checks in getattr(module, attribute, {}).items():
+                self.while_up.setdefault(mode, {}).update(checks)
 
     def set_seam(self, applied: bool) -> None:
         """``set_seam`` for a server of this session; ``close()`` reverts it."""
@@ -296,8 +307,8 @@ class RunCache:
                 record.save_outcomes(server.workdir / "outcomes.json")
                 probe_after_the_load(server, record)
                 record.serving_log = server.log_text()
-                if mode.name in self.while_up:
-                    record.while_up = self.while_up[mode.name](server)
+                for name, check in self.while_up.get(mode.name, {}).items():
+                    record.while_up[name] = check(server)
         finally:
             record.stop_report = server.stop()
             record.leftovers = server.leftovers()

@@ -99,13 +99,13 @@ def client_commands_on(server) -> dict:
     }
 
 
+# Run on the shim row's live server (RunCache.register_while_up).
+WHILE_UP = {"shim": {"laptop-doc": client_commands_on}}
+
+
 @pytest.fixture(scope="module")
 def shim(server_runs):
-    server_runs.while_up["shim"] = client_commands_on
-    run = server_runs.get("shim")
-    if run.while_up is None:
-        pytest.fail("the shim server ran before this module asked for the doc's commands")
-    return run.while_up
+    return server_runs.get("shim").while_up["laptop-doc"]
 
 
 def test_laptop_server_command_is_what_the_shim_row_ran(shim):
