@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.multiproc.events import Add, TraceResult, WaitTokens
+from tests.multiproc.events import Add, Trace, TraceResult, WaitTokens
 from tests.multiproc.harness import Cluster
 from tests.multiproc.invariants import check_trace
 
@@ -48,8 +48,6 @@ def add_load(cluster: Cluster, name: str, max_tokens: int = 40) -> None:
 
 def finish(cluster: Cluster, name: str, started: float) -> TraceResult:
     """Wait for the wave to end; the run's result, engine-aborted requests marked aborted."""
-    from tests.multiproc.events import Trace
-
     cluster.wait_until(cluster.wave_ended, f"{name}: the wave to end after resuming")
     for state in cluster.requests.values():
         if str(state.finish_reason).lower().endswith("abort"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,8 +71,6 @@ def run_ranks(specs: list[dict], tmp_path) -> list[dict]:
 
 
 def _error(spec: dict) -> bool:
-    from pathlib import Path
-
     path = Path(spec["result_file"])
     return path.exists() and "error" in json.loads(path.read_text() or "{}")
 
