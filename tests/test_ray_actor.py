@@ -83,11 +83,25 @@ def construct_as_ray_does(config, dp_rank=1):
         )
 
 
-def test_plugin_wraps_the_api_servers_actor_manager():
+@pytest.mark.parametrize("ray_installed", [True, False], ids=["ray", "no-ray"])
+def test_plugin_wraps_the_api_servers_actor_manager_where_ray_is_installed(
+    monkeypatch, ray_installed
+):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == "ray":  # the test venvs have no Ray; the e2e-shapes session has
+            return real_find_spec("json") if ray_installed else None
+        return real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     registry.uninstall_all()
     plugin.register()
-    assert registry.RAY_ACTOR_MANAGER_WRAPPER.is_installed()
-    assert CoreEngineActorManager.__init__ is activation.balance_actor_manager_init
+    assert registry.RAY_ACTOR_MANAGER_WRAPPER.is_installed() is ray_installed
+    wrapped = CoreEngineActorManager.__init__ is activation.balance_actor_manager_init
+    assert wrapped is ray_installed
 
 
 def test_balance_on_the_api_server_resolves_the_balance_actor_class():
