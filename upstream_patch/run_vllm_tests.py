@@ -79,15 +79,17 @@ BALANCE_ENTRIES = (ENTRY_TEST,)
 
 # Replaces vLLM's conftest.py files in the extracted tests/ (it is test code: it lives in tests/).
 CONFTEST = TESTS_DIR / "vllm_own_conftest.py"
+# Chooses each side's scheduler; with --vllm-conftest a pytest plugin beside vLLM's conftests.
+SIDE_PLUGIN = TESTS_DIR / "vllm_own_side.py"
 
 
 class RunError(RuntimeError):
     pass
 
 
-def extract_tests(sdist: Path, version: str, into: Path) -> int:
+def extract_tests(sdist: Path, version: str, into: Path, conftests: bool = False) -> int:
     """vLLM's ``tests/`` from the sdist, without its ``conftest.py`` files (they import model
-    runners and hub clients; ours replaces them); returns how many files."""
+    runners and hub clients; ours replaces them) unless ``conftests``; returns how many files."""
     prefix = f"vllm-{version}/"
     with tarfile.open(sdist) as tar:
         members = [
@@ -95,7 +97,7 @@ def extract_tests(sdist: Path, version: str, into: Path) -> int:
             for member in tar.getmembers()
             if member.isfile()
             and member.name.startswith(f"{prefix}tests/")
-            and Path(member.name).name != "conftest.py"
+            and (conftests or Path(member.name).name != "conftest.py")
         ]
         for member in members:
             member.name = member.name.removeprefix(prefix)
@@ -256,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="RELEASE",
         help="with --balance: also vllm-ascend RELEASE's own BalanceScheduler (its sdist's source)",
     )
+    parser.add_argument(
+        "--vllm-conftest",
+        action="store_true",
+        help="keep vLLM's own conftest.py files (VLLM_TARGET_DEVICE=cpu; needs the hub's models)",
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
 
@@ -277,8 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     entries = BALANCE_ENTRIES if args.balance else SEAM_ENTRIES
     # --balance runs vLLM's tests as the sdist has them: the series' tests are not in the tree.
     seam_names = frozenset() if args.balance else frozenset(seam_test_names(match.series))
-    extracted = extract_tests(sdist, version, tree)
-    shutil.copyfile(CONFTEST, tree / "conftest.py")
+    extracted = extract_tests(sdist, version, tree, conftests=args.vllm_conftest)
+    shutil.copyfile(SIDE_PLUGIN, tree / SIDE_PLUGIN.name)
+    pytest_args = list(args.pytest_args)
+    if args.vllm_conftest:
+        conftest = "vLLM's own conftest.py files, VLLM_TARGET_DEVICE=cpu"
+        os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # for the pytest children
+        pytest_args[:0] = ["-p", SIDE_PLUGIN.stem]
+    else:
+        conftest = f"tests/{CONFTEST.name} (this repository's offline replacement)"
+        shutil.copyfile(CONFTEST, tree / "conftest.py")
     # pytest's defaults, not the settings of a directory above the tree: nox puts it under this
     # repository (its --strict-markers refuses 0.30.0's test_scheduler.py, whose markers are
     # registered by vLLM's own configuration, which is not extracted).
@@ -289,9 +304,9 @@ def main(argv: list[str] | None = None) -> int:
             from vllm_ascend_standin import prepared_root
 
             ascend_root = prepared_root(args.vllm_ascend, version)
-        sides, problems = balance_sides(tree, args.pytest_args, ascend_root)
+        sides, problems = balance_sides(tree, pytest_args, ascend_root)
     else:
-        sides, problems = seam_sides(tree, source, match, args.pytest_args, seam_names)
+        sides, problems = seam_sides(tree, source, match, pytest_args, seam_names)
     reference, candidate = list(sides)[:2]
     lost, skip_drift = lost_tests(
         sides[reference]["outcomes"], sides[candidate]["outcomes"], seam_names
@@ -307,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"skips differ between sides: {skip_drift[:5]}")
     report = {
         "vllm": version,
+        "conftest": conftest,
         "series": match.series.ref,
         "installed_is_patched": match.already_seamed,
         "extracted_files": extracted,
@@ -321,7 +337,19 @@ def main(argv: list[str] | None = None) -> int:
         "lost_by": also_lost,  # the same for a side beside them (vllm-ascend's scheduler)
         "problems": problems,
     }
+    # Why each of the series' tests fails where it does (the unpatched side): its stated reason.
+    report["seam_failures"] = {
+        name: {
+            test_id: message.strip().splitlines()[0][:300] if message.strip() else ""
+            for test_id, message in side["failures"].items()
+            if is_seam_test(test_id, seam_names)
+        }
+        for name, side in sides.items()
+    }
+    print(f"vLLM {version}: conftest: {conftest}")
     for name in sides:
+        for test_id, reason in report["seam_failures"][name].items():
+            print(f"vLLM {version} {name:9s} {test_id.split('::')[-1]} fails: {reason}")
         for label, counts in report["by_file"][name].items():
             print(
                 f"vLLM {version} {name:9s} {label}: "
