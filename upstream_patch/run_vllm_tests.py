@@ -160,6 +160,14 @@ def is_seam_test(test_id: str, seam_names: frozenset[str]) -> bool:
     return test_id.split("::", 1)[-1].split("[", 1)[0] in seam_names
 
 
+def failure_reason(message: str) -> str:
+    """Where a failure's traceback points: its failing line and pytest's first ``E`` line."""
+    lines = message.splitlines()
+    at = next((ln.strip() for ln in lines if ln.startswith(">")), "")
+    why = next((ln[1:].strip() for ln in lines if ln.startswith("E ")), lines[0] if lines else "")
+    return f"{at} -> {why}"[:300]
+
+
 def summarize(outcomes: dict[str, str], seam_names: frozenset[str], seam: bool) -> dict:
     return tally(outcomes, lambda test_id: is_seam_test(test_id, seam_names) == seam)
 
@@ -340,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     # Why each of the series' tests fails where it does (the unpatched side): its stated reason.
     report["seam_failures"] = {
         name: {
-            test_id: message.strip().splitlines()[0][:300] if message.strip() else ""
+            test_id: failure_reason(message)
             for test_id, message in side["failures"].items()
             if is_seam_test(test_id, seam_names)
         }
