@@ -145,7 +145,8 @@ class BalanceSchedulerMixin:
 
     def _held_schedule(self, throttle_prefills: bool) -> SchedulerOutput:
         """A frozen step: upstream's, but a step the gate held records nothing for vLLM's prefill
-        cadence (a hold is policy, not capacity; docs/design.md, "A held step")."""
+        cadence (a hold is policy, not capacity: docs/design.md, Phase 2B, "a hold is not a
+        capacity limit")."""
         self.admission_held = False
         capacity_bound = self.prefill_capacity_bound
         output = super().schedule(throttle_prefills)  # type: ignore[misc]
