@@ -24,6 +24,20 @@ class Mutant:
     apply: Callable[[], None]
     # Test files run for this mutant on top of the shared suite (run.py): where its killer lives.
     files: tuple[str, ...] = ()
+    # Whether the installed vLLM has what the mutant changes (None: always); run.py reports a
+    # mutant without a target as not applicable instead of running it.
+    has_target: Callable[[], bool] | None = None
+
+
+def _derived():
+    """The Phase 2A derivation of the installed vLLM's schedule() (nothing compiled)."""
+    import inspect
+
+    import vllm.v1.core.sched.scheduler as scheduler_module
+
+    from vllm_balance.compat import derive
+
+    return derive.derive_source(inspect.getsource(scheduler_module), "installed")
 
 
 def _mixin():
@@ -323,6 +337,7 @@ MUTANTS = {
             "Phase 2A delta 2 also holds KV-holders (0.31+: a finished KV load stays parked)",
             ("compat",),
             gate_pins_kv_holders,
+            has_target=lambda: _derived().holds_fresh_only,
         ),
         Mutant(
             "disabled_allocates_balance_queue",
@@ -347,6 +362,7 @@ MUTANTS = {
             "Phase 2A delta 3 back to `assert request_queue is not None`",
             ("compat",),
             delta3_reverted_to_assert,
+            has_target=lambda: _derived().replaces_queue_assert,
         ),
         Mutant(
             "gather_payload_len_waiting",
