@@ -43,6 +43,7 @@ class BalanceSchedulerMixin:
     running: list
     max_num_running_reqs: int
     pause_state: Any  # where PAUSED_ALL exists
+    prefill_capacity_bound: bool
     if TYPE_CHECKING:
 
         def get_request_counts(self) -> tuple[int, int]: ...
@@ -53,6 +54,7 @@ class BalanceSchedulerMixin:
         self._balance_enabled = options is not None
         self.dp_group: Any = None
         self.admission_frozen = False
+        self.admission_held = False  # this step's gate stopped a fresh admission
         if options is not None:
             parallel_config = vllm_config.parallel_config
             self._all_gather = options.collective == ALL_GATHER
@@ -182,10 +184,26 @@ class BalanceSchedulerMixin:
                 self.admission_frozen, released, num_waiting, self._dp_rank
             )
             self._periodic_log.maybe_log(self.balance_stats, self._dp_rank)
+            if self.admission_frozen:
+                return self._held_schedule(throttle_prefills)
         return super().schedule(throttle_prefills)  # type: ignore[misc]
 
+    def _held_schedule(self, throttle_prefills: bool) -> SchedulerOutput:
+        """A frozen step: upstream's, but a step the gate held records nothing for vLLM's prefill
+        cadence (a hold is policy, not capacity: docs/design.md, Phase 2B, "a hold is not a
+        capacity limit")."""
+        self.admission_held = False
+        capacity_bound = self.prefill_capacity_bound
+        output = super().schedule(throttle_prefills)  # type: ignore[misc]
+        if self.admission_held:
+            self.prefill_capacity_bound = capacity_bound
+        return output
+
     def _should_stop_admitting_waiting(self) -> bool:
-        """The seam (hold-only: upstream's slot check already ran; docs/design.md, Phase 2B)."""
+        """The seam: called after upstream's own slot check, before a fresh request (0.31+:
+        KV-holders drain first); records that the gate stopped one (docs/design.md, Phase 2B)."""
+        if self.admission_frozen:
+            self.admission_held = True
         return self.admission_frozen
 
 

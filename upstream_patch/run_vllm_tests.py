@@ -10,7 +10,7 @@ of the installed vLLM: its unpacked wheel shadows the installed one in the test 
    registry and cached (``seam_patch.fetch_sdist``).
 2. vLLM's ``tests/`` is extracted, without its ``conftest.py`` files (they import model runners
    and hub clients), and the series' test part is applied to it (``git apply --include=tests/*``:
-   its cases appended to ``test_scheduler.py``; before 0.31 also ``create_scheduler()``'s
+   its cases added to ``test_scheduler.py``, beside its throttle tests; before 0.31 also
    ``scheduler_cls``, which the unpatched side's tests ignore); pytest runs
    ``tests/v1/core/test_scheduler.py`` and ``test_async_scheduler.py`` (``--balance``: the first
    only, without the series). ``tests/vllm_own_conftest.py`` replaces the conftests.
@@ -21,8 +21,8 @@ of the installed vLLM: its unpacked wheel shadows the installed one in the test 
    reports which side it got, and the script checks it.
 
 Pass: the patched side passes every test of vLLM's the unpatched side passes (same skips); the
-series' own tests (the functions it appends) all pass on the patched side, at least one fails on
-the unpatched side (they can tell the two apart), and none fails there only because the method is
+series' own tests (the functions it adds) all pass on the patched side and each fails on the
+unpatched side (each tells the two apart), and none fails there only because the method is
 missing (an ``AttributeError`` naming it: a test that proves nothing about the behaviour).
 
 ``--balance --vllm-ascend R`` adds a third side, vllm-ascend release R's own ``BalanceScheduler``
@@ -72,7 +72,7 @@ from seam_patch import (
 HERE = Path(__file__).resolve().parent
 TESTS_DIR = HERE.parent / "tests"
 
-ENTRY_TEST = SEAM_TEST_PATH  # vLLM's test_scheduler.py, where the series appends its cases
+ENTRY_TEST = SEAM_TEST_PATH  # vLLM's test_scheduler.py, where the series adds its cases
 ASYNC_TEST = "tests/v1/core/test_async_scheduler.py"
 # The seam on vLLM's own tests of both scheduler classes; --balance keeps to test_scheduler.py,
 # which is what nox -s reach records.
@@ -81,15 +81,17 @@ BALANCE_ENTRIES = (ENTRY_TEST,)
 
 # Replaces vLLM's conftest.py files in the extracted tests/ (it is test code: it lives in tests/).
 CONFTEST = TESTS_DIR / "vllm_own_conftest.py"
+# Chooses each side's scheduler; with --vllm-conftest a pytest plugin beside vLLM's conftests.
+SIDE_PLUGIN = TESTS_DIR / "vllm_own_side.py"
 
 
 class RunError(RuntimeError):
     pass
 
 
-def extract_tests(sdist: Path, version: str, into: Path) -> int:
+def extract_tests(sdist: Path, version: str, into: Path, conftests: bool = False) -> int:
     """vLLM's ``tests/`` from the sdist, without its ``conftest.py`` files (they import model
-    runners and hub clients; ours replaces them); returns how many files."""
+    runners and hub clients; ours replaces them) unless ``conftests``; returns how many files."""
     prefix = f"vllm-{version}/"
     with tarfile.open(sdist) as tar:
         members = [
@@ -97,7 +99,7 @@ def extract_tests(sdist: Path, version: str, into: Path) -> int:
             for member in tar.getmembers()
             if member.isfile()
             and member.name.startswith(f"{prefix}tests/")
-            and Path(member.name).name != "conftest.py"
+            and (conftests or Path(member.name).name != "conftest.py")
         ]
         for member in members:
             member.name = member.name.removeprefix(prefix)
@@ -156,8 +158,16 @@ def run_side(
 
 def is_seam_test(test_id: str, seam_names: frozenset[str]) -> bool:
     """Whether a ``classname::name`` id is one of the series' own tests (the functions it
-    appends to test_scheduler.py; a parametrized one is ``name[...]``)."""
+    adds to test_scheduler.py; a parametrized one is ``name[...]``)."""
     return test_id.split("::", 1)[-1].split("[", 1)[0] in seam_names
+
+
+def failure_reason(message: str) -> str:
+    """Where a failure's traceback points: its failing line and pytest's first ``E`` line."""
+    lines = message.splitlines()
+    at = next((ln.strip() for ln in lines if ln.startswith(">")), "")
+    why = next((ln[1:].strip() for ln in lines if ln.startswith("E ")), lines[0] if lines else "")
+    return f"{at} -> {why}"[:300]
 
 
 def summarize(outcomes: dict[str, str], seam_names: frozenset[str], seam: bool) -> dict:
@@ -212,8 +222,9 @@ def seam_sides(
     if len(seam_ids) < len(seam_names) or any(patched[t] != "passed" for t in seam_ids):
         problems.append(f"the series' tests do not all pass patched: {seam_ids}")
     failing = [t for t in seam_ids if unpatched.get(t) == "failed"]
-    if not failing:
-        problems.append(f"the series' tests all pass without the seam: {seam_ids}")
+    if failing != seam_ids:
+        passing = [t for t in seam_ids if t not in failing]
+        problems.append(f"series tests that do not fail without the seam: {passing}")
     messages = sides["unpatched"]["failures"]
     missing = [t for t in failing if "AttributeError" in messages[t] and SEAM_METHOD in messages[t]]
     if missing:
@@ -263,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="with --balance: also the BalanceScheduler of a vllm-ascend work tree as it is now",
     )
+    parser.add_argument(
+        "--vllm-conftest",
+        action="store_true",
+        help="keep vLLM's own conftest.py files (VLLM_TARGET_DEVICE=cpu; needs the hub's models)",
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
 
@@ -284,8 +300,16 @@ def main(argv: list[str] | None = None) -> int:
     entries = BALANCE_ENTRIES if args.balance else SEAM_ENTRIES
     # --balance runs vLLM's tests as the sdist has them: the series' tests are not in the tree.
     seam_names = frozenset() if args.balance else frozenset(seam_test_names(match.series))
-    extracted = extract_tests(sdist, version, tree)
-    shutil.copyfile(CONFTEST, tree / "conftest.py")
+    extracted = extract_tests(sdist, version, tree, conftests=args.vllm_conftest)
+    shutil.copyfile(SIDE_PLUGIN, tree / SIDE_PLUGIN.name)
+    pytest_args = list(args.pytest_args)
+    if args.vllm_conftest:
+        conftest = "vLLM's own conftest.py files, VLLM_TARGET_DEVICE=cpu"
+        os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # for the pytest children
+        pytest_args[:0] = ["-p", SIDE_PLUGIN.stem]
+    else:
+        conftest = f"tests/{CONFTEST.name} (this repository's offline replacement)"
+        shutil.copyfile(CONFTEST, tree / "conftest.py")
     # pytest's defaults, not the settings of a directory above the tree: nox puts it under this
     # repository (its --strict-markers refuses 0.30.0's test_scheduler.py, whose markers are
     # registered by vLLM's own configuration, which is not extracted).
@@ -300,9 +324,9 @@ def main(argv: list[str] | None = None) -> int:
             from vllm_ascend_standin import root_from_tree
 
             ascend_root = root_from_tree(args.vllm_ascend_tree.resolve())
-        sides, problems = balance_sides(tree, args.pytest_args, ascend_root)
+        sides, problems = balance_sides(tree, pytest_args, ascend_root)
     else:
-        sides, problems = seam_sides(tree, source, match, args.pytest_args, seam_names)
+        sides, problems = seam_sides(tree, source, match, pytest_args, seam_names)
     reference, candidate = list(sides)[:2]
     lost, skip_drift = lost_tests(
         sides[reference]["outcomes"], sides[candidate]["outcomes"], seam_names
@@ -318,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"skips differ between sides: {skip_drift[:5]}")
     report = {
         "vllm": version,
+        "conftest": conftest,
         "series": match.series.ref,
         "installed_is_patched": match.already_seamed,
         "extracted_files": extracted,
@@ -332,7 +357,19 @@ def main(argv: list[str] | None = None) -> int:
         "lost_by": also_lost,  # the same for a side beside them (vllm-ascend's scheduler)
         "problems": problems,
     }
+    # Why each of the series' tests fails where it does (the unpatched side): its stated reason.
+    report["seam_failures"] = {
+        name: {
+            test_id: failure_reason(message)
+            for test_id, message in side["failures"].items()
+            if is_seam_test(test_id, seam_names)
+        }
+        for name, side in sides.items()
+    }
+    print(f"vLLM {version}: conftest: {conftest}")
     for name in sides:
+        for test_id, reason in report["seam_failures"][name].items():
+            print(f"vLLM {version} {name:9s} {test_id.split('::')[-1]} fails: {reason}")
         for label, counts in report["by_file"][name].items():
             print(
                 f"vLLM {version} {name:9s} {label}: "

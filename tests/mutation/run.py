@@ -75,6 +75,19 @@ def _failed_tests(junit: Path) -> list[str]:
     ]
 
 
+def has_target(name: str) -> bool:
+    """``MUTANTS[name].has_target()``, asked in a child (this process imports no vLLM)."""
+    code = f"import mutants; print(mutants.MUTANTS[{name!r}].has_target())"
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    return out.stdout.strip().splitlines()[-1] == "True"
+
+
 def active_path() -> str:
     code = "import vllm_balance; print(vllm_balance.active_path())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
@@ -93,6 +106,9 @@ def table(path: str, vllm_version: str, rows: list[dict], command: str) -> str:
     for row in rows:
         name = row["mutant"]
         wrong = "unmutated baseline (must pass)" if name == "none" else MUTANTS[name].wrong
+        if row.get("no_target"):
+            lines.append(f"| `{name}` | {wrong} | n/a: no target in this vLLM | - | - |")
+            continue
         if name == "none":
             verdict = "passes" if row["returncode"] == 0 else "**FAILS**"
         else:
@@ -136,6 +152,9 @@ def main() -> int:
     path = active_path()
     shared = SUITE + (COMPAT_SUITE if path == "compat" else [])
     names = args.mutant or [n for n, m in MUTANTS.items() if path in m.paths]
+    # A mutant whose target this release lacks would "survive" by changing nothing.
+    no_target = {n for n in names if MUTANTS[n].has_target and not has_target(n)}
+    names = [n for n in names if n not in no_target]
     own_files = {name: [f for f in MUTANTS[name].files if f not in shared] for name in names}
     own_files["none"] = list(dict.fromkeys(f for name in names for f in own_files[name]))
     print(f"vLLM {vllm_version}, {path} path; shared suite: {' '.join(shared)}", flush=True)
@@ -155,11 +174,12 @@ def main() -> int:
             print("baseline fails: fix the suite before reading any kill table")
             return 1
     command = "python tests/mutation/run.py" + (" --write-doc" if args.write_doc else "")
+    rows += [{"mutant": n, "no_target": True} for n in sorted(no_target)]
     section = table(path, vllm_version, rows, command)
     print(section)
     if args.write_doc and not args.mutant:
         write_doc(path, section)
-    survivors = [r["mutant"] for r in rows[1:] if not killed(r)]
+    survivors = [r["mutant"] for r in rows[1:] if not r.get("no_target") and not killed(r)]
     if survivors:
         print(f"surviving mutants: {', '.join(survivors)}")
         return 1

@@ -50,7 +50,7 @@ VLLM_ASCEND_GATE = (
     "if max(t.item() for t in self.balance_queue) == self.max_num_running_reqs:",
     "    break",
 )
-VLLM_ASCEND_DELTAS = Deltas(gate=VLLM_ASCEND_GATE, with_hold_flag=False, capacity=False)
+VLLM_ASCEND_DELTAS = Deltas(gate=VLLM_ASCEND_GATE)
 # The module docstring's statement of what the copy is aligned to.
 ALIGNED_TO = re.compile(r"verbatim copy of the \*\*v?[0-9][^*]*\*\* release tag's")
 # The deltas as the module docstring names them (the three lines the drift test strips).
