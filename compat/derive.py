@@ -1,23 +1,24 @@
 """Derive the Phase 2A ``schedule()`` from the installed vLLM's own source, at import time.
 
-Phase 2A is upstream ``Scheduler.schedule`` plus four deltas, the same change the seam series
-(upstream_patch/) makes, with the gate where the seam's call is:
+Phase 2A is upstream ``Scheduler.schedule`` plus three deltas: the seam series' ``schedule()``
+(upstream_patch/) with the seam's call read as the gate:
 
 1. disabled path: ``if not self._balance_enabled: return super().schedule(throttle_prefills)``
    as the first statement, so a config without balance runs upstream verbatim (contract 4);
-2. the gate: ``if self.admission_frozen: admission_held = True; break`` right after upstream's
-   own request-slot check in the WAITING loop (which stays, so the gate can only hold back),
-   reading the value the mixin computed once for this step; ``admission_held = False`` goes
-   directly above the loop;
+2. the gate, right after upstream's own request-slot check in the WAITING loop (which stays, so
+   the gate can only hold back), in the seam's form for the release
+   (``vllm_balance.slot_check.holds_fresh_requests_only``): ``if request_queue is self.waiting and
+   self.admission_frozen: self.admission_held = True; break`` where the loop drains the requests
+   that hold KV blocks first (0.31+; they are not held), ``if self.admission_frozen: ...`` before
+   (0.24-0.30). It reads the value the mixin computed once for this step and records for the mixin
+   that it stopped admission, as the shim's override of the seam does;
 3. ``if request_queue is None: break`` instead of upstream's ``assert request_queue is not None``,
    where upstream has that assert (0.24-0.30). 0.31 reworked the loop to break on an empty
    queue itself and has no such assert: there is nothing to replace, so delta 3 is not applied
-   (the generated header says so) rather than matched against some other statement;
-4. the ``if`` after the loop that guards upstream's one update of ``self.prefill_capacity_bound``
-   (the DP prefill cadence's saturation guard) also requires ``not admission_held``: a step the
-   gate stopped records nothing, as on the seam (a hold is a policy, not a capacity limit;
-   docs/design.md, Phase 2B). Where ``schedule()`` never assigns that attribute there is nothing
-   to guard and delta 4 is not applied, like delta 3.
+   (the generated header says so) rather than matched against some other statement.
+
+What a held step does to vLLM's prefill cadence is the mixin's business, on both paths
+(``BalanceSchedulerMixin._held_schedule``): nothing of it is spliced here.
 
 The WAITING loop is found by what makes it the WAITING loop in every release, not by its
 header (which names ``skipped_waiting`` up to 0.30 and became ``while token_budget > 0`` in 0.31):
@@ -71,7 +72,7 @@ from types import ModuleType
 from packaging.version import InvalidVersion, Version
 
 from vllm_balance.log import logger
-from vllm_balance.slot_check import slot_checks
+from vllm_balance.slot_check import holds_fresh_requests_only, slot_checks
 
 ALLOW_UNVERIFIED_ENV = "VLLM_BALANCE_ALLOW_UNVERIFIED_SCHEDULE"
 REACH_COMMAND = "nox -s reach -- --versions {release}"
@@ -84,7 +85,6 @@ SIGNATURE_PARAMS = ("self", "throttle_prefills")
 WAITING_LOOP = "while ...: if <...self.max_num_*_reqs...>: break"
 QUEUE_SELECTION = "request_queue = self._select_waiting_queue_for_scheduling()"
 QUEUE_ASSERT = "assert request_queue is not None"
-CAPACITY_GUARD = "if <...>: self.prefill_capacity_bound = ... (after the WAITING loop)"
 
 # The deltas, each led by the comment naming it (relative indentation; no upstream text).
 DELTA_DISABLED_PATH = (
@@ -92,24 +92,23 @@ DELTA_DISABLED_PATH = (
     "if not self._balance_enabled:",
     "    return super().schedule(throttle_prefills)",
 )
-DELTA_HOLD_FLAG = (
-    "# Phase 2A delta 2 (gate), its flag: set where the gate stops admission (delta 4 reads it).",
-    "admission_held = False",
-)
+GATE_COMMENT = "# Phase 2A delta 2 (gate): a DP leader at the cap holds admission for this step."
+# The seam's two forms (upstream_patch/make_series.py), the call read as the gate.
 DELTA_GATE = (
-    "# Phase 2A delta 2 (gate): a DP leader at the cap freezes admission for this step.",
+    GATE_COMMENT,
     "if self.admission_frozen:",
-    "    admission_held = True",
+    "    self.admission_held = True",
     "    break",
+)
+DELTA_GATE_FRESH = (
+    GATE_COMMENT,
+    "if request_queue is self.waiting and self.admission_frozen:",
+    *DELTA_GATE[2:],
 )
 DELTA_NO_QUEUE = (
     "# Phase 2A delta 3: no waiting queue to admit from ends admission (was an assert).",
     "if request_queue is None:",
     "    break",
-)
-DELTA_CAPACITY = (
-    "# Phase 2A delta 4 (capacity): a step the gate held back records nothing.",
-    " and not admission_held",  # appended to the condition of upstream's `if`
 )
 
 
@@ -306,46 +305,6 @@ def _queue_assert(fn: ast.FunctionDef, loop: ast.While, vllm_version: str) -> as
     return stmts[index]
 
 
-def _assigns_capacity_bound(node: ast.AST) -> bool:
-    targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
-    return isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and any(
-        isinstance(target, ast.Attribute)
-        and isinstance(target.value, ast.Name)
-        and target.value.id == "self"
-        and target.attr == "prefill_capacity_bound"
-        for target in targets
-    )
-
-
-def _capacity_guard(fn: ast.FunctionDef, loop: ast.While, vllm_version: str) -> ast.If | None:
-    """The ``if`` after the WAITING loop (in the loop's own block) whose body updates
-    ``self.prefill_capacity_bound``, with a one-line condition delta 4 can extend.
-
-    None when ``schedule()`` never assigns that attribute: delta 4 has nothing to guard. An
-    update anywhere else, or a condition that ``and not admission_held`` would not simply extend,
-    is a changed anchor and fails closed.
-    """
-    updates = [node for node in ast.walk(fn) if _assigns_capacity_bound(node)]
-    if not updates:
-        return None
-    update = _exactly_one(CAPACITY_GUARD, updates, vllm_version)
-    block = next(stmts for stmts in _statement_lists(fn) if any(s is loop for s in stmts))
-    after_loop = block[next(i for i, s in enumerate(block) if s is loop) + 1 :]
-    guards = [
-        stmt
-        for stmt in after_loop
-        if isinstance(stmt, ast.If) and not stmt.orelse and any(s is update for s in stmt.body)
-    ]
-    guard = _exactly_one(CAPACITY_GUARD, guards, vllm_version)
-    test = guard.test
-    loose = isinstance(test, (ast.IfExp, ast.Lambda, ast.NamedExpr)) or (
-        isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or)
-    )
-    if loose or test.end_lineno != guard.lineno:
-        raise _anchor_error(CAPACITY_GUARD, "has a condition delta 4 cannot extend", vllm_version)
-    return guard
-
-
 Edit = tuple[int, int, list[str]]  # (0-based line, number of lines replaced, new lines)
 
 
@@ -362,29 +321,21 @@ class DerivedSource:
     fingerprint: str
     source: str  # the generated module text: a header comment and ``class Phase2ASchedule``
     replaces_queue_assert: bool  # whether delta 3 applied (upstream asserts a queue exists)
-    guards_capacity_update: bool  # whether delta 4 applied (upstream has the cadence's guard)
+    holds_fresh_only: bool  # the gate's form: KV-holders are not held (0.31+)
 
 
-def _deltas_named(queue_assert: bool, capacity: bool) -> str:
+def _deltas_named(queue_assert: bool) -> str:
     """The header's words for what was spliced in."""
-    missing = [
-        reason
-        for applied, reason in (
-            (queue_assert, "delta 3 not applicable: upstream has no queue assert"),
-            (capacity, "delta 4 not applicable: upstream has no prefill_capacity_bound"),
-        )
-        if not applied
-    ]
-    count = ("two", "three", "four")[2 - len(missing)]
-    return f"{count} deltas" + (f" ({'; '.join(missing)})" if missing else "")
+    if queue_assert:
+        return "three deltas"
+    return "two deltas (delta 3 not applicable: upstream has no queue assert)"
 
 
 def derive_source(module_source: str, vllm_version: str, origin: str = "") -> DerivedSource:
     """Splice the deltas into ``Scheduler.schedule`` of ``module_source``.
 
     Every anchor is located in the AST and must match exactly once; the edits insert or replace
-    whole lines (delta 4 extends one line's condition), so everything else stays upstream's
-    text, comments included.
+    whole lines, so everything else stays upstream's text, comments included.
     """
     fn = find_schedule(ast.parse(module_source), vllm_version)
     _check_signature(fn, vllm_version)
@@ -393,19 +344,19 @@ def derive_source(module_source: str, vllm_version: str, origin: str = "") -> De
         WAITING_LOOP, [check for at, check in slot_checks(fn) if at is loop], vllm_version
     )
     queue_assert = _queue_assert(fn, loop, vllm_version)
-    guard = _capacity_guard(fn, loop, vllm_version)
+    fresh_only = holds_fresh_requests_only(loop, slot_check)
     lines = module_source.splitlines(keepends=True)
     first = fn.body[0]
     _starts_line(first, lines, "schedule()'s first statement", vllm_version)
     _starts_line(loop, lines, WAITING_LOOP, vllm_version)
     _ends_line(slot_check, lines, WAITING_LOOP, vllm_version)
 
+    gate = DELTA_GATE_FRESH if fresh_only else DELTA_GATE
     has_docstring = _without_docstring(fn) is not fn
     disabled_at = _last_line(first) if has_docstring else _body_start(fn, fn.body, lines)
     edits: list[Edit] = [
         (disabled_at, 0, _indented(DELTA_DISABLED_PATH, first.col_offset)),
-        (_first_line(loop) - 1, 0, _indented(DELTA_HOLD_FLAG, loop.col_offset)),
-        (_last_line(slot_check), 0, _indented(DELTA_GATE, slot_check.col_offset)),
+        (_last_line(slot_check), 0, _indented(gate, slot_check.col_offset)),
     ]
     if queue_assert is not None:
         _starts_line(queue_assert, lines, QUEUE_ASSERT, vllm_version)
@@ -413,19 +364,10 @@ def derive_source(module_source: str, vllm_version: str, origin: str = "") -> De
         assert_lines = _last_line(queue_assert) - queue_assert.lineno + 1
         at = queue_assert.lineno - 1
         edits.append((at, assert_lines, _indented(DELTA_NO_QUEUE, queue_assert.col_offset)))
-    if guard is not None:
-        _starts_line(guard, lines, CAPACITY_GUARD, vllm_version)
-        header = lines[guard.lineno - 1].encode()
-        # Before the `if`'s own colon: the first after the condition (a closing parenthesis of
-        # the condition may come first, a trailing comment after).
-        colon = header.index(b":", guard.test.end_col_offset or 0)
-        extended = (header[:colon] + DELTA_CAPACITY[1].encode() + header[colon:]).decode()
-        comment = _indented(DELTA_CAPACITY[:1], guard.col_offset)
-        edits.append((guard.lineno - 1, 1, [*comment, extended]))
     added = sum(len(new) - removed for _, removed, new in edits)
     method = _splice(lines, edits)[_first_line(fn) - 1 : _last_line(fn) + added]
     schedule_fingerprint = fingerprint(fn)
-    deltas = _deltas_named(queue_assert is not None, guard is not None)
+    deltas = _deltas_named(queue_assert is not None)
     header_lines = [
         f"# Generated by vllm_balance.compat.derive from {origin or '<source>'}\n",
         f"# (vLLM {vllm_version}, schedule() fingerprint {schedule_fingerprint}).\n",
@@ -438,7 +380,7 @@ def derive_source(module_source: str, vllm_version: str, origin: str = "") -> De
         schedule_fingerprint,
         "".join(header_lines + method),
         queue_assert is not None,
-        guard is not None,
+        fresh_only,
     )
 
 

@@ -35,6 +35,7 @@ class BalanceSchedulerMixin:
     # Upstream attributes the mixin reads, on every supported release (test_upstream_surface.py).
     running: list
     max_num_running_reqs: int
+    prefill_capacity_bound: bool
     if TYPE_CHECKING:
 
         def get_request_counts(self) -> tuple[int, int]: ...
@@ -45,6 +46,7 @@ class BalanceSchedulerMixin:
         self._balance_enabled = options is not None
         self.dp_group: Any = None
         self.admission_frozen = False
+        self.admission_held = False  # this step's gate stopped a fresh admission
         if options is not None:
             parallel_config = vllm_config.parallel_config
             # [1]-shaped views of one buffer: the gate reads every rank's count in one max().
@@ -137,10 +139,25 @@ class BalanceSchedulerMixin:
                 self.admission_frozen, released, num_waiting, self._dp_rank
             )
             self._periodic_log.maybe_log(self.balance_stats, self._dp_rank)
+            if self.admission_frozen:
+                return self._held_schedule(throttle_prefills)
         return super().schedule(throttle_prefills)  # type: ignore[misc]
 
+    def _held_schedule(self, throttle_prefills: bool) -> SchedulerOutput:
+        """A frozen step: upstream's, but a step the gate held records nothing for vLLM's prefill
+        cadence (a hold is policy, not capacity; docs/design.md, "A held step")."""
+        self.admission_held = False
+        capacity_bound = self.prefill_capacity_bound
+        output = super().schedule(throttle_prefills)  # type: ignore[misc]
+        if self.admission_held:
+            self.prefill_capacity_bound = capacity_bound
+        return output
+
     def _should_stop_admitting_waiting(self) -> bool:
-        """The seam (hold-only: upstream's slot check already ran; docs/design.md, Phase 2B)."""
+        """The seam: called after upstream's own slot check, before a fresh request (0.31+:
+        KV-holders drain first); records that the gate stopped one (docs/design.md, Phase 2B)."""
+        if self.admission_frozen:
+            self.admission_held = True
         return self.admission_frozen
 
 

@@ -75,26 +75,52 @@ def mutant(patched_source: str, name: str) -> type:
     On the release's slot check, which the seam leaves inline right above its call:
     ``off_by_one_gt``, ``>`` where it has ``>=`` (or ``==``): admits one request past the slot
     limit; ``cap_minus_one``, the limit minus one (the variant that once shipped in vllm-ascend and
-    was reverted for a TTFT regression): admits one request too few. On the capacity exclusion:
-    ``held_on_slot_break``, the hold's flag also set where the slot check stops admission, so a
-    rank at its own cap no longer records capacity-bound for vLLM's prefill cadence.
+    was reverted for a TTFT regression): admits one request too few. Both are neutrality bugs (the
+    default holds nothing back). On what a hold does, caught by the hold tests:
+    ``held_not_capacity``, the policy the previous series put in core (a held step does not update
+    ``prefill_capacity_bound``); ``kv_holders_held``, the call without its ``request_queue is
+    self.waiting`` guard where the release drains KV-holders first (the previous series' place:
+    a finished async KV load stays parked, holding its blocks).
     """
     lines = patched_source.split("\n")
-    call = next(i for i, ln in enumerate(lines) if ln.strip() == f"if self.{SEAM_METHOD}():")
-    slot, slot_break = call - 2, call - 1
+    call = next(i for i, ln in enumerate(lines) if f"self.{SEAM_METHOD}()" in ln)
+    # The call's `if` starts at the line after the slot check's `break`.
+    start = next(i for i in range(call, 0, -1) if lines[i].lstrip().startswith("if "))
+    slot, slot_break = start - 2, start - 1
     assert lines[slot_break].strip() == "break" and "self.max_num_" in lines[slot]
+    end = next(i for i in range(call, len(lines)) if lines[i].strip() == "break")
     count = 1
     if name == "off_by_one_gt":
         lines[slot], count = re.subn(r">=|==", ">", lines[slot])
     elif name == "cap_minus_one":
         lines[slot], count = re.subn(r"(self\.max_num_\w+_reqs)", r"(\1 - 1)", lines[slot])
-    elif name == "held_on_slot_break":
-        lines.insert(slot_break, lines[call + 1])  # the call's own `admission_held = True`
+    elif name == "held_not_capacity":
+        indent = lines[end][: len(lines[end]) - len(lines[end].lstrip())]
+        lines.insert(end, f"{indent}self.mutant_held = True")
+        update = next(
+            i for i in range(end, len(lines)) if "self.prefill_capacity_bound =" in lines[i]
+        )
+        pad = lines[update][: len(lines[update]) - len(lines[update].lstrip())]
+        lines[update : update + 1] = [f"{pad}if not self.mutant_held:", "    " + lines[update]]
+        head = next(i for i, ln in enumerate(lines) if ln.startswith("    def schedule("))
+        body = next(i for i in range(head, len(lines)) if lines[i].rstrip().endswith(":"))
+        lines.insert(body + 1, "        self.mutant_held = False")
+    elif name == "kv_holders_held":
+        guarded = [i for i in range(start, call + 1) if "request_queue is self.waiting" in lines[i]]
+        count = len(guarded)
+        indent = lines[start][: len(lines[start]) - len(lines[start].lstrip())]
+        if count:
+            lines[start : end + 1] = [f"{indent}if self.{SEAM_METHOD}():", f"{indent}    break"]
     else:
         raise ValueError(name)
-    assert count == 1, f"mutant {name}: cannot find its target in {lines[slot]!r}"
+    if count != 1:
+        raise MutantNotApplicable(f"mutant {name}: no target in this release's seam")
     source = "\n".join(lines)
     return load_scheduler_module(source, f"vllm_balance_mutant_{name}_scheduler").Scheduler
+
+
+class MutantNotApplicable(LookupError):
+    """The mutant's target is not in this release's seam (``kv_holders_held`` before 0.31)."""
 
 
 def compare(baseline_cls: type, candidate_cls: type, workload: Workload) -> int:
@@ -110,3 +136,21 @@ def reached(scheduler_cls: type, workload: Workload) -> set[str]:
 def side(scheduler_cls: type, workload: Workload) -> Side:
     scheduler = factories.make_scheduler(scheduler_cls, vllm_config=vllm_config(workload, False))
     return Side(scheduler_cls.__module__, scheduler)
+
+
+@functools.lru_cache(maxsize=1)
+def balance_on_each_path() -> dict[str, type]:
+    """The balance ``Scheduler`` of each path for the installed vLLM, side by side in one process:
+    ``"shim"`` on the seamed twin, ``"compat"`` derived from the unpatched one (what a session
+    with the other pin's seam flag would select), both with the package's own mixin."""
+    import sys
+
+    from vllm_balance.compat.derive import build_phase2a_schedule
+    from vllm_balance.shim.scheduler import BalanceSchedulerMixin
+
+    pair = twins()
+    derived = build_phase2a_schedule(sys.modules[pair.unpatched.__module__])
+    return {
+        "shim": type("BalanceScheduler", (BalanceSchedulerMixin, pair.patched), {}),
+        "compat": type("CompatBalanceScheduler", (BalanceSchedulerMixin, derived), {}),
+    }

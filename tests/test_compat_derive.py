@@ -13,6 +13,7 @@ import json
 import linecache
 import logging
 import os
+import re
 import textwrap
 import traceback
 from pathlib import Path
@@ -35,11 +36,9 @@ from factories import add_requests, make_requests, make_scheduler
 from vllm_balance.compat import derive
 from vllm_balance.compat.derive import (
     ALLOW_UNVERIFIED_ENV,
-    CAPACITY_GUARD,
-    DELTA_CAPACITY,
     DELTA_DISABLED_PATH,
     DELTA_GATE,
-    DELTA_HOLD_FLAG,
+    DELTA_GATE_FRESH,
     DELTA_NO_QUEUE,
     QUEUE_ASSERT,
     QUEUE_SELECTION,
@@ -80,20 +79,13 @@ needs_queue_assert = pytest.mark.skipif(
 )
 
 
-def expected_counts(queue_assert: bool = True, capacity: bool = True) -> dict[str, int]:
+def expected_counts(queue_assert: bool = True) -> dict[str, int]:
     """What strip_deltas counts in a derived schedule()."""
-    return {
-        "disabled path": 1,
-        "hold flag": 1,
-        "gate": 1,
-        "no queue": int(queue_assert),
-        "capacity": int(capacity),
-    }
+    return {"disabled path": 1, "gate": 1, "no queue": int(queue_assert)}
 
 
 def installed_counts() -> dict[str, int]:
-    derived = installed_derivation()
-    return expected_counts(derived.replaces_queue_assert, derived.guards_capacity_update)
+    return expected_counts(installed_derivation().replaces_queue_assert)
 
 
 def generated_source() -> str:
@@ -112,34 +104,16 @@ def delta_dump(block: tuple[str, ...]) -> str:
     return normalized_dump(ast.parse("\n".join(block)).body[0])
 
 
-def _capacity_extension(node: ast.AST) -> bool:
-    """An ``if`` whose condition delta 4 extended (``... and not admission_held``)."""
-    held = normalized_dump(ast.parse(DELTA_CAPACITY[1].removeprefix(" and "), mode="eval").body)
-    test = getattr(node, "test", None)
-    return (
-        isinstance(node, ast.If)
-        and isinstance(test, ast.BoolOp)
-        and isinstance(test.op, ast.And)
-        and normalized_dump(test.values[-1]) == held
-    )
-
-
 def strip_deltas(
     fn: ast.FunctionDef, docstring: bool = False
 ) -> tuple[ast.FunctionDef, dict[str, int]]:
     """Undo the deltas on a copy; count each, and check where it sits."""
     fn = copy.deepcopy(fn)
-    disabled, flag, gate, no_queue = map(
-        delta_dump, (DELTA_DISABLED_PATH, DELTA_HOLD_FLAG, DELTA_GATE, DELTA_NO_QUEUE)
-    )
+    disabled, no_queue = map(delta_dump, (DELTA_DISABLED_PATH, DELTA_NO_QUEUE))
+    gates = {delta_dump(DELTA_GATE), delta_dump(DELTA_GATE_FRESH)}
     selection = normalized_dump(ast.parse(QUEUE_SELECTION).body[0])
     counts = dict.fromkeys(expected_counts(), 0)
     for node in ast.walk(fn):
-        if _capacity_extension(node):
-            assert any(map(derive._assigns_capacity_bound, node.body)), "delta 4 guards the update"
-            counts["capacity"] += 1
-            rest = node.test.values[:-1]
-            node.test = rest[0] if len(rest) == 1 else ast.BoolOp(op=ast.And(), values=rest)
         stmts = getattr(node, "body", None)
         if not isinstance(stmts, list):
             continue
@@ -149,13 +123,7 @@ def strip_deltas(
             if dump == disabled:
                 assert node is fn and i == int(docstring), "delta 1 must come first"
                 counts["disabled path"] += 1
-            elif dump == flag:
-                loop = stmts[i + 1]
-                assert isinstance(loop, ast.While) and any(map(is_slot_check, loop.body)), (
-                    "delta 2's flag goes directly above the WAITING loop"
-                )
-                counts["hold flag"] += 1
-            elif dump == gate:
+            elif dump in gates:
                 assert isinstance(node, ast.While) and is_slot_check(stmts[i - 1]), (
                     "delta 2 comes right after upstream's slot check"
                 )
@@ -191,15 +159,17 @@ def test_drift_comparison_catches_one_more_change():
 
 def test_derived_schedule_is_the_seamed_schedule_with_the_gate_inlined():
     """Compat gives exactly the shim's behaviour: the derived schedule() is the seam series'
-    schedule() for this release (upstream_patch/) with the seam's call read as the gate's
-    ``admission_frozen``, less delta 1 (balance off runs upstream's own) and delta 3 (an assert
-    that real state never trips)."""
+    schedule() for this release (upstream_patch/) with the seam's call read as the gate (the shim's
+    override: ``admission_frozen``, recorded in ``admission_held``), less delta 1 (balance off runs
+    upstream's own) and delta 3 (an assert that real state never trips)."""
     from seam_patch import SEAM_METHOD, match_series, scheduler_text
 
     source = inspect.getsource(scheduler_module)
     seamed = scheduler_text(source, match_series(source, vllm.__version__).series)
     expected = normalized_dump(derive.find_schedule(ast.parse(seamed), "seamed"))
     derived = generated_source().replace("self.admission_frozen", f"self.{SEAM_METHOD}()")
+    assert derived.count("self.admission_held = True") == 1
+    derived = re.sub(r"\n *self\.admission_held = True", "", derived)
     fn = generated_schedule_ast(derived)
     disabled, no_queue = delta_dump(DELTA_DISABLED_PATH), delta_dump(DELTA_NO_QUEUE)
     for node in ast.walk(fn):
@@ -329,6 +299,7 @@ PAIR = f"{QUEUE_SELECTION}\n{QUEUE_ASSERT}\n"
 # Our own text in the shape of the anchors: a loop that stops on a request-slot limit.
 LOOP_HEADER = "while self.queue and budget > 0:"
 SLOT_CHECK = "if len(self.running) >= self.max_num_admitted_reqs:\n    break\n"
+# Upstream text after the loop that no delta touches (vLLM's prefill cadence has one like it).
 CAPACITY = "if not deferred:\n    self.prefill_capacity_bound = bool(self.queue)\n"
 
 
@@ -356,7 +327,7 @@ def test_synthetic_source_with_all_anchors_derives(docstring):
     stripped, counts = strip_deltas(generated_schedule_ast(derived.source), docstring)
     assert counts == expected_counts()
     assert normalized_dump(stripped) == normalized_dump(derived.upstream)
-    assert "plus four deltas" in derived.source
+    assert "plus three deltas" in derived.source
 
 
 def test_loop_without_queue_selection_and_assert_gets_no_delta_3():
@@ -368,27 +339,24 @@ def test_loop_without_queue_selection_and_assert_gets_no_delta_3():
     assert normalized_dump(stripped) == normalized_dump(derived.upstream)
 
 
-def test_schedule_without_a_capacity_update_gets_no_delta_4():
-    # A schedule() without the DP prefill cadence's guard: there is nothing to exclude a hold from.
-    derived = derive.derive_source(synthetic(after_loop=""), "9.9.9")
-    assert not derived.guards_capacity_update and "delta 4 not applicable" in derived.source
-    stripped, counts = strip_deltas(generated_schedule_ast(derived.source))
-    assert counts == expected_counts(capacity=False)
-    assert normalized_dump(stripped) == normalized_dump(derived.upstream)
-
-
 @pytest.mark.parametrize(
-    "guard",
-    ["if not deferred:", "if not deferred and budget > 0:", "if (not deferred\n    and ok):"],
-    ids=["one-name", "and-chain", "parenthesized-one-line"],
+    ("slot_check", "gate"),
+    [
+        (SLOT_CHECK, DELTA_GATE),
+        ("request_queue = self.kv_holding_waiting or self.queue\n" + SLOT_CHECK, DELTA_GATE_FRESH),
+        ("request_queue = self.queue\n" + SLOT_CHECK, DELTA_GATE),
+    ],
+    ids=["one-queue", "kv-holders-first", "queue-picked-without-kv-holders"],
 )
-def test_delta_4_extends_the_guard_in_place(guard):
-    guard = guard.replace("\n    ", " ")
-    source = synthetic(after_loop=f"{guard}\n    self.prefill_capacity_bound = True\n")
-    derived = derive.derive_source(source, "9.9.9")
-    assert f"{guard[:-1]}{DELTA_CAPACITY[1]}:" in derived.source
+def test_gate_takes_the_seam_form_of_the_loop(slot_check, gate):
+    """Where the loop drains the requests that hold KV blocks first (0.31+), the gate holds
+    fresh requests only, as the seam does; elsewhere it ends the loop."""
+    derived = derive.derive_source(synthetic("q = 1\n", slot_check=slot_check), "9.9.9")
+    lines = "\n".join(line.strip() for line in derived.source.splitlines())
+    assert lines.count("\n".join(line.strip() for line in gate)) == 1
+    assert derived.holds_fresh_only is (gate is DELTA_GATE_FRESH)
     stripped, counts = strip_deltas(generated_schedule_ast(derived.source))
-    assert counts == expected_counts()
+    assert counts == expected_counts(queue_assert=False)
     assert normalized_dump(stripped) == normalized_dump(derived.upstream)
 
 
@@ -420,19 +388,6 @@ def test_waiting_loop_is_found_by_its_slot_check_whatever_its_header(slot_check)
             QUEUE_ASSERT,
             "shares a line",
         ),
-        (synthetic(after_loop=CAPACITY * 2), CAPACITY_GUARD, "matches 2 times"),
-        (synthetic(after_loop="self.prefill_capacity_bound = 1\n"), CAPACITY_GUARD, "is missing"),
-        (synthetic("pass\n" + CAPACITY, after_loop=""), CAPACITY_GUARD, "is missing"),
-        (
-            synthetic(after_loop=CAPACITY.replace("not deferred", "a or b")),
-            CAPACITY_GUARD,
-            "cannot extend",
-        ),
-        (
-            synthetic(after_loop=CAPACITY.replace("not deferred", "(a and\n        b)")),
-            CAPACITY_GUARD,
-            "cannot extend",
-        ),
         (synthetic(header="schedule(self)"), "schedule(self, throttle_prefills)", "is schedule("),
         (synthetic().replace("def schedule", "def other"), "Scheduler.schedule", "is missing"),
     ],
@@ -445,11 +400,6 @@ def test_waiting_loop_is_found_by_its_slot_check_whatever_its_header(slot_check)
         "assert-twice",
         "assert-outside-loop",
         "assert-not-alone",
-        "capacity-update-twice",
-        "capacity-update-unguarded",
-        "capacity-update-in-the-loop",
-        "capacity-guard-or",
-        "capacity-guard-two-lines",
         "signature",
         "method-missing",
     ],
@@ -493,10 +443,7 @@ def test_generated_schedule_has_source_and_names_each_delta():
     Phase2ASchedule = compat_module().Phase2ASchedule
     source = inspect.getsource(Phase2ASchedule.schedule)
     assert source.count(DELTA_DISABLED_PATH[0]) == source.count(DELTA_GATE[0]) == 1
-    assert source.count(DELTA_HOLD_FLAG[0]) == 1
-    counts = installed_counts()
-    assert source.count(DELTA_NO_QUEUE[0]) == counts["no queue"]
-    assert source.count(DELTA_CAPACITY[0]) == counts["capacity"]
+    assert source.count(DELTA_NO_QUEUE[0]) == installed_counts()["no queue"]
     # CompatBalanceScheduler.schedule is the mixin's, which reaches the generated one via super().
     CompatBalanceScheduler = compat_module().CompatBalanceScheduler
     mro = CompatBalanceScheduler.__mro__

@@ -10,8 +10,10 @@ import threading
 
 import factories
 import pytest
+import seam_differential
 import torch
 import torch.distributed as dist
+from async_kv_connector import kv_transfer_config, load_finished
 from conftest import session_has_seam
 
 import vllm_balance
@@ -28,9 +30,9 @@ def balance_collective(request, monkeypatch) -> str:
     return request.param
 
 
-def balance_scheduler(dp_size: int = 2, enabled: bool = True, **kwargs):
+def balance_scheduler(dp_size: int = 2, enabled: bool = True, cls=None, **kwargs):
     return factories.make_scheduler(
-        vllm_balance.BalanceScheduler,
+        cls or vllm_balance.BalanceScheduler,
         data_parallel_size=dp_size,
         max_num_seqs=kwargs.pop("max_num_seqs", CAP),
         additional_config=ENABLED if enabled else {},
@@ -38,8 +40,8 @@ def balance_scheduler(dp_size: int = 2, enabled: bool = True, **kwargs):
     )
 
 
-def upstream_scheduler(**kwargs):
-    return factories.make_scheduler(max_num_seqs=kwargs.pop("max_num_seqs", CAP), **kwargs)
+def upstream_scheduler(cls=None, **kwargs):
+    return factories.make_scheduler(cls, max_num_seqs=kwargs.pop("max_num_seqs", CAP), **kwargs)
 
 
 def admitted(scheduler_output) -> list[str]:
@@ -233,6 +235,84 @@ def test_contract1_leader_at_cap_records_capacity_bound_as_upstream_does():
     assert admitted(balance.schedule()) == admitted(upstream.schedule()) == []
     # Upstream's slot check stopped both before the gate: capacity-bound, as upstream records.
     assert balance.prefill_capacity_bound is upstream.prefill_capacity_bound is True
+
+
+# Contract 1's scope: a freeze stops admitting *new* WAITING requests. Where vLLM keeps the
+# requests that hold KV blocks in their own queue and drains it first (0.31+), a frozen step still
+# schedules them, as vLLM's PAUSED_NEW does; before 0.31 a frozen step holds them too, until it
+# opens (docs/design.md, "What a hold blocks"). Both paths, side by side in one process.
+
+PATHS = ("shim", "compat")
+
+
+def drains_kv_holders(scheduler) -> bool:
+    """Feature detection: the release's WAITING loop drains KV-holding requests first."""
+    return hasattr(scheduler, "kv_holding_waiting")
+
+
+def kv_holder_beside_a_fresh_request(scheduler, gathered=(0, 0)):
+    """'req-0' decodes, 'kv-1' has finished its async KV load (it holds its blocks) and 'req-2'
+    has just arrived."""
+    factories.add_requests(
+        scheduler, factories.make_requests(1) + factories.make_requests(1, prefix="kv", start=1)
+    )
+    if gathered is not None:
+        factories.set_gathered(scheduler, list(gathered))
+    output = scheduler.schedule()  # req-0 prefills; kv-1's load starts
+    runner_output = factories.model_runner_output(output, scheduler)
+    scheduler.update_from_output(output, load_finished(runner_output, "kv-1"))
+    return with_waiting(scheduler, n=1, start=2)
+
+
+def balance_on(path: str):
+    cls = seam_differential.balance_on_each_path()[path]
+    return balance_scheduler(cls=cls, kv_transfer_config=kv_transfer_config())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_contract1_frozen_step_holds_new_requests_not_kv_holders(path):
+    scheduler = kv_holder_beside_a_fresh_request(balance_on(path))
+    factories.set_gathered(scheduler, [1, CAP])
+    out = scheduler.schedule()
+    assert "req-2" not in out.num_scheduled_tokens
+    assert scheduler.requests["req-2"].status.name == "WAITING"
+    assert out.num_scheduled_tokens["req-0"] == 1
+    kv_holder = scheduler.requests["kv-1"]
+    if drains_kv_holders(scheduler):
+        # Scheduled, its blocks in use: nothing is left pinned by a request the freeze parks.
+        assert admitted(out) == ["kv-1"] and kv_holder in scheduler.running
+        assert not scheduler.kv_holding_waiting
+    else:
+        # One mixed waiting queue: the frozen step ends the loop, the load waits for an open one.
+        assert admitted(out) == []
+        assert kv_holder.status.name == "WAITING_FOR_REMOTE_KVS"
+        factories.set_gathered(scheduler, [1, 0])
+        assert "kv-1" in scheduler.schedule().num_scheduled_tokens
+
+
+def test_contract1_frozen_step_is_the_same_on_both_paths_and_upstreams_paused_new():
+    from vllm.v1.core.sched.interface import PauseState
+
+    outputs = {}
+    for path in PATHS:
+        scheduler = kv_holder_beside_a_fresh_request(balance_on(path))
+        factories.set_gathered(scheduler, [1, CAP])
+        outputs[path] = factories.describe(scheduler.schedule())
+    difference = factories.first_difference(outputs["shim"], outputs["compat"])
+    assert difference is None, difference
+    upstream = kv_holder_beside_a_fresh_request(
+        upstream_scheduler(
+            seam_differential.twins().unpatched, kv_transfer_config=kv_transfer_config()
+        ),
+        gathered=None,
+    )
+    if not drains_kv_holders(upstream):
+        pytest.skip("before 0.31 PAUSED_NEW skips KV-holders as well as new requests")
+    upstream._pause_state = PauseState.PAUSED_NEW
+    difference = factories.first_difference(
+        outputs["shim"], factories.describe(upstream.schedule())
+    )
+    assert difference is None, difference
 
 
 # Contract 2: gate open => the same SchedulerOutput as upstream, step by step.

@@ -2,7 +2,7 @@
 
 ``git`` mode runs on a scratch git repository holding the installed vLLM's scheduler.py at
 upstream's path (the unpatched text: reverted first if the seam sessions patched the install) and
-the release's test files the series appends to (from its sdist), so ``git apply`` meets the same
+the release's test files the series adds to (from its sdist), so ``git apply`` meets the same
 blobs it meets on a real vLLM checkout; the commit's author is the
 identity in the (test's) git configuration, never one the series invents. ``installed`` mode
 writes to a copy of the installed tree (``--root``); against the real install it runs only as
@@ -83,11 +83,14 @@ def match(installed_source):
 
 @pytest.fixture(scope="module")
 def replaced_line(match) -> str:
-    """The line of scheduler.py the series replaces (the one its scheduler diff removes)."""
+    """A line of scheduler.py the series needs as it is: the slot check its call follows (a
+    context line of its scheduler diff; the series removes nothing)."""
     text = match.series.patches[0].read_text(encoding="utf-8")
     scheduler_part = text.split(f"+++ b/{SCHEDULER_PATH}\n", 1)[1].split("\ndiff --git ", 1)[0]
-    (removed,) = [ln[1:] for ln in scheduler_part.splitlines() if ln.startswith("-")]
-    return removed
+    (slot_check,) = [
+        ln[1:] for ln in scheduler_part.splitlines() if ln.startswith(" ") and "self.max_num_" in ln
+    ]
+    return slot_check
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +156,7 @@ def test_installed_refuses_a_scheduler_the_series_does_not_fit_and_writes_nothin
     vllm_copy, replaced_line
 ):
     target = vllm_copy / SCHEDULER_PATH
-    # A fork that changed the line the series replaces: no series may apply, at any offset.
+    # A fork that changed a line the series needs: no series may apply, at any offset.
     text = target.read_text(encoding="utf-8")
     assert text.count(replaced_line + "\n") == 1
     mangled = text.replace(replaced_line + "\n", replaced_line + "  # fork\n")

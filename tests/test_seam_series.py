@@ -1,8 +1,9 @@
 """The patch series in upstream_patch/ are what a vLLM reviewer should receive.
 
 Each series is a commit message explaining why, then a diff that touches only the scheduler and
-vLLM's tests/v1/core/test_scheduler.py (cases appended; before 0.31 also the factory parameter
-they use), keeps the scheduler diff small and changes only what the hold-only seam needs. It
+vLLM's tests/v1/core/test_scheduler.py (cases added beside its throttle tests; before 0.31 also the
+factory parameter they use), keeps the scheduler diff small and adds only the seam: the call, the
+default and their docstrings, no policy. It
 carries no author and no ``Signed-off-by``: the submitter commits and signs off with their own
 identity. A series is stored only where its text differs, and what is stored is what
 ``make_series.py`` generates (from the release's wheel and sdist: the byte-for-byte checks fetch
@@ -15,7 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
-from make_series import authored, check_series
+from make_series import FRESH, TESTS_AFTER, authored, check_series, series_form
 from seam_patch import (
     SCHEDULER_PATH,
     SEAM_METHOD,
@@ -66,11 +67,15 @@ def test_series_is_a_message_then_a_diff_with_no_identity(series):
 
 
 @pytest.mark.parametrize("series", SERIES, ids=lambda s: s.ref)
-def test_series_touches_the_scheduler_and_appends_to_its_tests(series):
+def test_series_touches_the_scheduler_and_adds_to_its_tests_beside_the_throttle_tests(series):
     counts = numstat(series)
     assert {SCHEDULER_PATH, SEAM_TEST_PATH} <= set(counts)
     assert set(counts) <= {SCHEDULER_PATH, SEAM_TEST_PATH, TEST_UTILS_PATH}
-    assert counts[SEAM_TEST_PATH][1] == 0, "cases are appended; vLLM's own tests stay as they are"
+    assert counts[SEAM_TEST_PATH][1] == 0, "cases are added; vLLM's own tests stay as they are"
+    text = series.patches[0].read_text(encoding="utf-8")
+    tests_diff = text.split(f"+++ b/{SEAM_TEST_PATH}\n", 1)[1].split("\ndiff --git ", 1)[0]
+    (hunk,) = re.findall(r"^@@ .*$", tests_diff, re.M)
+    assert hunk.endswith(f"def {TESTS_AFTER}():"), "the cases go right after the throttle tests"
     # Before 0.31 only: create_scheduler() gets scheduler_cls, as 0.31 gave it.
     assert counts.get(TEST_UTILS_PATH, (3, 1)) == (3, 1)
     added_to_utils = "".join(added_lines(series, TEST_UTILS_PATH))
@@ -83,22 +88,34 @@ def scheduler_diff_lines(series) -> list[str]:
 
 
 @pytest.mark.parametrize("series", SERIES, ids=lambda s: s.ref)
-def test_scheduler_diff_is_a_hold_only_seam(series):
+def test_scheduler_diff_is_the_call_and_the_default_only(series):
     lines = scheduler_diff_lines(series)
     added = [ln[1:].strip() for ln in lines if ln.startswith("+")]
-    removed = [ln[1:].strip() for ln in lines if ln.startswith("-")]
+    assert not [ln for ln in lines if ln.startswith("-")], "nothing of vLLM's is changed"
     assert f"def {SEAM_METHOD}(self) -> bool:" in added and "return False" in added
+    # Scheduler gets a class docstring naming the method as an override point.
+    class_line = lines.index(" class Scheduler(SchedulerInterface):")
+    assert lines[class_line + 1].startswith('+    """') and SEAM_METHOD in "".join(added[:6])
     # Called right after the release's own slot check, which stays inline (context lines).
-    call = lines.index(f"+{' ' * 16}if self.{SEAM_METHOD}():")
-    assert lines[call - 1].strip() == "break" and lines[call - 1].startswith(" ")
-    assert lines[call - 2].startswith(" ") and "self.max_num_" in lines[call - 2]
-    assert lines[call + 1 : call + 3] == [f"+{' ' * 20}admission_held = True", f"+{' ' * 20}break"]
-    assert "admission_held = False" in added
-    # The one line removed: the cadence's capacity guard, which a hold no longer updates.
-    (guard,) = removed
-    assert guard.startswith("if ") and f"{guard[:-1]} and not admission_held:" in added
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("+") and "if " in ln)
+    call = lines[start : start + 5] if series_form(series) == FRESH else lines[start : start + 2]
+    assert lines[start - 1].strip() == "break" and lines[start - 1].startswith(" ")
+    assert lines[start - 2].startswith(" ") and "self.max_num_" in lines[start - 2]
+    pad = " " * 16
+    if series_form(series) == FRESH:  # 0.31+: KV-holders are drained first and not held
+        assert call == [
+            f"+{pad}if (",
+            f"+{pad}    request_queue is self.waiting",
+            f"+{pad}    and self.{SEAM_METHOD}()",
+            f"+{pad}):",
+            f"+{pad}    break",
+        ]
+    else:
+        assert call == [f"+{pad}if self.{SEAM_METHOD}():", f"+{pad}    break"]
+    # No policy: nothing but the call, the method and the two docstrings.
+    assert not any("prefill_capacity_bound" in line or "admission_held" in line for line in added)
     added_lines_count, removed_lines_count = numstat(series)[SCHEDULER_PATH]
-    assert added_lines_count + removed_lines_count <= 24, "the change must stay reviewable"
+    assert added_lines_count + removed_lines_count <= 30, "the change must stay reviewable"
 
 
 def test_the_installed_release_regenerates_byte_for_byte():
@@ -112,10 +129,10 @@ def test_check_catches_a_series_that_is_not_what_the_generator_gives(monkeypatch
     series lack is reported."""
     import make_series
 
-    hand = authored()
+    hand = authored(series_form(serving_series(installed_version())))
     changed = hand._replace(message=hand.message.replace("The case at hand", "The case in point"))
     assert changed != hand
-    monkeypatch.setattr(make_series, "authored", lambda: changed)
+    monkeypatch.setattr(make_series, "authored", lambda form: changed)
     assert check_series(installed_version(), unpatched_installed_source()) is not None
 
 
@@ -124,9 +141,9 @@ def test_check_catches_a_test_case_the_stored_series_lack(monkeypatch):
     shows up in the check of every release."""
     import make_series
 
-    hand = authored()
+    hand = authored(series_form(serving_series(installed_version())))
     added = hand._replace(tests=hand.tests + "\n\ndef test_x():\n    pass\n")
-    monkeypatch.setattr(make_series, "authored", lambda: added)
+    monkeypatch.setattr(make_series, "authored", lambda form: added)
     assert check_series(installed_version(), unpatched_installed_source()) is not None
 
 
@@ -134,11 +151,11 @@ def test_check_catches_a_method_docstring_the_stored_series_lack(monkeypatch):
     """Negative control: the method's docstring, too, is read from the newest series."""
     import make_series
 
-    hand = authored()
+    hand = authored(series_form(serving_series(installed_version())))
     assert hand.method_head.startswith(f"    def {SEAM_METHOD}(self) -> bool:\n")
     changed = hand._replace(method_head=hand.method_head.replace("requests stall", "hang"))
     assert changed != hand
-    monkeypatch.setattr(make_series, "authored", lambda: changed)
+    monkeypatch.setattr(make_series, "authored", lambda form: changed)
     assert check_series(installed_version(), unpatched_installed_source()) is not None
 
 

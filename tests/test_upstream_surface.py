@@ -50,6 +50,8 @@ def test_scheduler_state_the_mixin_reads():
     assert scheduler.get_request_counts() == (0, 3)
     # The cap: the admission limit where the release has a separate one (0.31+).
     assert getattr(scheduler, "max_num_active_reqs", scheduler.max_num_running_reqs) == 4
+    # A held step keeps it (the prefill cadence's saturation flag), every release 0.24+.
+    assert scheduler.prefill_capacity_bound is False
 
 
 def test_scheduler_classes_and_signatures_the_mixin_extends():

@@ -7,8 +7,7 @@ is offline. Named so that this repository's pytest does not load it: run_vllm_te
 there as ``conftest.py``.
 """
 
-import importlib.util
-import json
+import importlib
 import os
 import sys
 
@@ -16,19 +15,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-_SCHEDULER = "vllm.v1.core.sched.scheduler"
-_override = os.environ.get("VLLM_BALANCE_SCHEDULER_FILE")
-if _override:
-    # Must happen before any test module imports the scheduler (conftest is imported first).
-    assert _SCHEDULER not in sys.modules, "scheduler imported before the conftest"
-    import vllm.v1.core.sched as _package
-
-    _spec = importlib.util.spec_from_file_location(_SCHEDULER, _override)
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules[_SCHEDULER] = _module
-    _spec.loader.exec_module(_module)
-    _package.scheduler = _module
-
+# Copied beside this file by run_vllm_tests.py: it must choose the side before anything imports
+# the scheduler.
+import vllm_own_side  # noqa: E402
 from vllm.config import DeviceConfig, ModelConfig, VllmConfig  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
@@ -83,17 +72,7 @@ elif os.environ.get("VLLM_BALANCE_SIDE") == "vllm-ascend":
 
     Scheduler.__new__ = _ascend_new
 
-with open(os.environ["VLLM_BALANCE_SIDE_FILE"], "w") as _out:
-    json.dump(
-        {
-            "scheduler_file": sys.modules[_SCHEDULER].__file__,
-            "has_seam": hasattr(Scheduler, "_should_stop_admitting_waiting"),  # the seam
-            "balance_classes": sorted(
-                f"{cls.__module__}.{cls.__qualname__}" for cls in _BALANCE_CLASSES.values()
-            ),
-        },
-        _out,
-    )
+vllm_own_side.record(_BALANCE_CLASSES.values())
 
 # Hub models the scheduler tests use for their config only; a tiny local config stands in.
 _LOCAL_MODELS = {"facebook/opt-125m"}

@@ -18,24 +18,27 @@ release too and no directory is written (and a stored older series that the new 
 removed). ``--check`` regenerates each version and compares it, byte for byte, with the stored
 series that serves it.
 
-The seam is hold-only, and added mechanically, which is what lets one generator follow the
-WAITING loop across releases. In ``schedule()``:
+The seam is the call and its default only (no policy in core), added mechanically, which is what
+lets one generator follow the WAITING loop across releases. In ``scheduler.py``:
 
+- a class docstring for ``Scheduler`` (it has none) naming the method as an override point;
+- the method (signature, docstring, ``return False``) above ``schedule()``;
 - right after the WAITING loop's request-slot check (the one ``if <cond>: break`` whose condition
   reads ``self.max_num_*_reqs``: ``max_num_running_reqs`` up to 0.30, ``max_num_active_reqs``
-  from 0.31), ``if self._should_stop_admitting_waiting(): admission_held = True; break``. The
-  slot check itself stays inline and unchanged, so an override can only admit less (issue 30: the
-  seam that replaced the check let an override returning False admit past the cap);
-- ``admission_held = False`` directly above that ``while`` loop;
-- the ``if`` that guards the one assignment to ``self.prefill_capacity_bound`` (after the loop:
-  the DP prefill cadence's saturation guard, #44558) also requires ``not admission_held``. A step
-  the hold stopped records nothing: counted as capacity-bound it would let the next throttled
-  step admit off-cadence (docs/design.md, Phase 2B).
+  from 0.31), the call, in one of two forms (``seam_form``). The slot check itself stays inline
+  and unchanged, so an override can only admit less. Where the loop takes its queue before that
+  check and drains ``self.kv_holding_waiting`` first (0.31+), the call guards fresh requests only:
+  ``if request_queue is self.waiting and self._should_stop_admitting_waiting(): break``, so
+  requests holding KV blocks (finished async loads) are still scheduled under a hold, as under
+  ``PAUSED_NEW``. Where the loop has one mixed queue (0.24-0.30: ``waiting`` and
+  ``skipped_waiting``, taken after the check), ``if self._should_stop_admitting_waiting(): break``
+  ends the loop, KV-holders included, which is what ``PAUSED_NEW`` blocks there too.
 
-The method itself (signature, docstring, ``return False``) goes above ``schedule()``. The tests
-are appended to the release's ``test_scheduler.py``; where its ``create_scheduler()`` has no
-``scheduler_cls`` parameter (before 0.31) the series adds it to ``tests/v1/core/utils.py`` as 0.31
-did, and the message says so.
+Each form has its own message, docstrings and tests, written once in the newest stored series of
+that form (``authored``). The tests go right after vLLM's throttle tests
+(``test_throttle_capacity_bound_guard_admits``), not at the end of the file; where its
+``create_scheduler()`` has no ``scheduler_cls`` parameter (before 0.31) the series adds it to
+``tests/v1/core/utils.py`` as 0.31 did, and the message says so.
 """
 
 from __future__ import annotations
@@ -67,20 +70,24 @@ from seam_patch import (
     serving_series,
 )
 
-from vllm_balance.slot_check import slot_checks
+from vllm_balance.slot_check import holds_fresh_requests_only, slot_checks
 
 PATCH_NAME = "seam.patch"
 # The sentence of the authored message that a release's note follows.
 NOTE_AFTER = "No behaviour change."
-HELD = "admission_held"  # the local flag: the seam stopped admission on this step
-CAPACITY_NOTE = f"# A step held back by {SEAM_METHOD}() records nothing."
 SCHEDULER_CLS_NOTE = """
 
 Before 0.31, create_scheduler() in tests/v1/core/utils.py takes no
 scheduler_cls; this series adds it, as 0.31 did, for the new tests."""
+SCHEDULER_CLASS = "class Scheduler(SchedulerInterface):\n"
+# The two forms of the call; a stored series' form is read from its call line.
+FRESH, LOOP = "fresh", "loop"
+FRESH_TEST = "request_queue is self.waiting"
+CALL = f"self.{SEAM_METHOD}()"
+# vLLM's last throttle test, in every release: the seam's tests go right after it.
+TESTS_AFTER = "test_throttle_capacity_bound_guard_admits"
+LINE_LENGTH = 88  # vLLM's ruff line length
 
-_CAPACITY_UPDATE = re.compile(r"^\s*self\.prefill_capacity_bound\s*=[^=]")
-_GUARD = re.compile(r"^(?P<indent>\s*)if (?P<cond>.+):\s*$")
 _FACTORY_END = re.compile(r"^\) -> .*:\s*$")
 _FACTORY_CLASS = re.compile(r"^(?P<indent>\s+)scheduler_cls = .*\n", re.M)
 # What may differ between two series whose text is "the same": blob ids and line numbers.
@@ -95,28 +102,32 @@ def _indent(line: str) -> int:
     return len(line) - len(line.lstrip())
 
 
-def _block_head(lines: list[str], at: int, stop: int) -> int:
-    """The nearest line above ``at`` (not above ``stop``) indented less than line ``at``."""
-    depth = _indent(lines[at])
-    for i in range(at - 1, stop, -1):
-        if lines[i].strip() and _indent(lines[i]) < depth:
-            return i
-    raise SeamError(f"no block encloses line {at + 1}")
+def seam_form(loop: ast.While, check: ast.If) -> str:
+    """``FRESH`` where a hold can stop fresh requests only (0.31+), else ``LOOP``; the same test
+    as the Phase 2A derivation's (``vllm_balance.slot_check.holds_fresh_requests_only``)."""
+    return FRESH if holds_fresh_requests_only(loop, check) else LOOP
 
 
-def add_seam(source: str, method_head: str) -> str:
-    """``scheduler.py`` text ``source`` with the seam (the method starts with ``method_head``:
-    its signature and docstring)."""
+def call_lines(form: str, indent: str) -> str:
+    """The call and its ``break``, formatted as vLLM's ruff would."""
+    cond = f"{FRESH_TEST} and {CALL}" if form == FRESH else CALL
+    one_line = f"{indent}if {cond}:\n"
+    if len(one_line) - 1 <= LINE_LENGTH:
+        return f"{one_line}{indent}    break\n"
+    parts = cond.split(" and ")
+    inner = "".join(f"{indent}    {'and ' if i else ''}{part}\n" for i, part in enumerate(parts))
+    return f"{indent}if (\n{inner}{indent}):\n{indent}    break\n"
+
+
+def waiting_slot_check(source: str) -> tuple[list[str], int, int, ast.While, ast.If]:
+    """``source``'s lines, the 0-based lines of ``def schedule(`` and of the slot check, the
+    WAITING loop and the check itself."""
     lines = source.splitlines(keepends=True)
     schedule_at = next(
         (i for i, ln in enumerate(lines) if ln.startswith("    def schedule(")), None
     )
     if schedule_at is None:
         raise SeamError("no Scheduler.schedule()")
-    end_of_schedule = next(
-        (i for i in range(schedule_at + 1, len(lines)) if lines[i].startswith("    def ")),
-        len(lines),
-    )
     # The same anchor as the Phase 2A derivation's (vllm_balance.slot_check).
     schedule = next(
         n
@@ -130,36 +141,56 @@ def add_seam(source: str, method_head: str) -> str:
     loop, check = checks[0]
     if check.test.end_lineno != check.lineno or check.body[0].lineno != check.lineno + 1:
         raise SeamError(f"the slot check is not 'if <one line>:' then 'break': {check.lineno}")
-    check_at, loop_at = check.lineno - 1, loop.lineno - 1
+    return lines, schedule_at, check.lineno - 1, loop, check
+
+
+def source_form(source: str) -> str:
+    """The seam's form for ``scheduler.py`` text ``source`` (``seam_form``)."""
+    *_, loop, check = waiting_slot_check(source)
+    return seam_form(loop, check)
+
+
+def add_seam(source: str, hand: Authored) -> str:
+    """``scheduler.py`` text ``source`` with the seam, in the form its WAITING loop takes, with
+    that form's authored class docstring and method head (signature and docstring)."""
+    lines, schedule_at, check_at, loop, check = waiting_slot_check(source)
+    form = seam_form(loop, check)
+    if form != hand.form:
+        raise SeamError(f"this scheduler.py takes the {form!r} form, the text is {hand.form!r}")
+    class_at = next((i for i, ln in enumerate(lines) if ln == SCHEDULER_CLASS), None)
+    if class_at is None or lines[class_at + 1].lstrip().startswith('"""'):
+        raise SeamError(f"expected {SCHEDULER_CLASS.strip()!r} without a docstring")
     indent = lines[check_at][: _indent(lines[check_at])]
-    loop_indent = lines[loop_at][: _indent(lines[loop_at])]
-
-    updates = [i for i in range(check_at, end_of_schedule) if _CAPACITY_UPDATE.match(lines[i])]
-    if len(updates) != 1:
-        raise SeamError(f"expected one prefill_capacity_bound update after the loop, {updates}")
-    guard_at = _block_head(lines, updates[0], loop_at)
-    guard = _GUARD.match(lines[guard_at])
-    if guard is None or guard.group("indent") != loop_indent:
-        raise SeamError(f"the capacity update's guard is not an if beside the loop: {guard_at}")
-    cond = guard.group("cond")
-    if re.search(r"\b(or|if|lambda)\b|:=", cond):
-        raise SeamError(f"cannot add 'and not {HELD}' to {cond!r} without parentheses")
-
-    method = f"{method_head}        return False\n\n"
-    call = f"{indent}if self.{SEAM_METHOD}():\n{indent}    {HELD} = True\n{indent}    break\n"
-    new_guard = f"{loop_indent}{CAPACITY_NOTE}\n{loop_indent}if {cond} and not {HELD}:\n"
+    method = f"{hand.method_head}        return False\n\n"
     new_lines = (
-        lines[:schedule_at]
+        lines[: class_at + 1]
+        + [hand.class_doc, "\n"]  # ruff: a blank line after a class docstring
+        + lines[class_at + 1 : schedule_at]
         + [method]
-        + lines[schedule_at:loop_at]
-        + [f"{loop_indent}{HELD} = False\n"]
-        + lines[loop_at : check_at + 2]
-        + [call]
-        + lines[check_at + 2 : guard_at]
-        + [new_guard]
-        + lines[guard_at + 1 :]
+        + lines[schedule_at : check_at + 2]
+        + [call_lines(form, indent)]
+        + lines[check_at + 2 :]
     )
     return "".join(new_lines)
+
+
+def add_tests(tests_source: str, cases: str) -> str:
+    """vLLM's ``test_scheduler.py`` text with ``cases`` right after its last throttle test."""
+    fn = next(
+        (
+            n
+            for n in ast.parse(tests_source).body
+            if isinstance(n, ast.FunctionDef) and n.name == TESTS_AFTER
+        ),
+        None,
+    )
+    if fn is None or fn.end_lineno is None:
+        raise SeamError(f"{SEAM_TEST_PATH} has no {TESTS_AFTER}()")
+    lines = tests_source.splitlines(keepends=True)
+    at = fn.end_lineno + 2  # after the two blank lines that follow it
+    if [ln.strip() for ln in lines[fn.end_lineno : at]] != ["", ""] or not lines[at:]:
+        raise SeamError(f"{TESTS_AFTER}() is not followed by two blank lines and more code")
+    return "".join(lines[:at]) + cases + "\n\n" + "".join(lines[at:])
 
 
 def add_scheduler_cls(utils: str) -> str:
@@ -185,24 +216,46 @@ def add_scheduler_cls(utils: str) -> str:
 
 
 class Authored(NamedTuple):
+    form: str  # FRESH or LOOP: the scheduler.py texts it is for
     message: str
-    tests: str  # the cases appended to test_scheduler.py
+    tests: str  # the cases inserted after vLLM's throttle tests
     method_head: str  # the seam method's signature and docstring
+    class_doc: str  # Scheduler's class docstring
 
 
-def authored() -> Authored:
-    """The text written by hand, as the newest stored series has it.
+def _docstring_at(lines: list[str], start: int) -> str:
+    """The docstring that opens at ``lines[start]`` (a triple-quoted block), as text."""
+    if lines[start].count('"""') == 2:
+        return lines[start]
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].rstrip().endswith('"""'))
+    return "".join(lines[start : end + 1])
 
-    That series is where it is written: edit its message, its test lines or the method's docstring
-    there, then run this script on every release (the other series, and the newest's diffstat,
-    line counts and blob ids, follow).
+
+def series_form(series: Series) -> str:
+    """A stored series' form, read from its call line."""
+    return FRESH if any(FRESH_TEST in ln for ln in added_lines(series, SCHEDULER_PATH)) else LOOP
+
+
+def authored(form: str = FRESH) -> Authored:
+    """The text written by hand for ``form``, as the newest stored series of that form has it.
+
+    That series is where it is written: edit its message, its test lines or the docstrings there,
+    then run this script on every release (the other series of that form, and the newest's
+    diffstat, line counts and blob ids, follow).
     """
-    newest = all_series()[-1]
+    of_form = [s for s in all_series() if series_form(s) == form]
+    if not of_form:
+        raise SeamError(f"no stored series of the {form!r} form to read its text from")
+    newest = of_form[-1]
     added = added_lines(newest, SCHEDULER_PATH)
     start = added.index(f"    def {SEAM_METHOD}(self) -> bool:\n")
     head = "".join(added[start : added.index('        """\n', start) + 1])
-    tests = "".join(added_lines(newest, SEAM_TEST_PATH))
-    return Authored(commit_message(newest.patches[0]), tests, head)
+    # Blank lines around the inserted cases are the file's layout, not the cases' text (git may
+    # place them on either side of the block).
+    tests = "".join(added_lines(newest, SEAM_TEST_PATH)).strip("\n") + "\n"
+    # A release's own note (release_message) is not authored text.
+    message = commit_message(newest.patches[0]).replace(SCHEDULER_CLS_NOTE, "", 1)
+    return Authored(form, message, tests, head, _docstring_at(added, 0))
 
 
 def release_message(message: str, note: str) -> str:
@@ -215,12 +268,12 @@ def release_message(message: str, note: str) -> str:
 def series_text(base: dict[str, str]) -> tuple[str, dict[str, str]]:
     """The patch for a release whose files are ``base`` (``release_files``: message, then the
     diff), and the files it gives (repository path -> text)."""
-    hand = authored()
+    hand = authored(source_form(base[SCHEDULER_PATH]))
     utils = add_scheduler_cls(base[TEST_UTILS_PATH])
     note = SCHEDULER_CLS_NOTE if utils != base[TEST_UTILS_PATH] else ""
     files = {
-        SCHEDULER_PATH: add_seam(base[SCHEDULER_PATH], hand.method_head),
-        SEAM_TEST_PATH: base[SEAM_TEST_PATH] + hand.tests,
+        SCHEDULER_PATH: add_seam(base[SCHEDULER_PATH], hand),
+        SEAM_TEST_PATH: add_tests(base[SEAM_TEST_PATH], hand.tests),
         TEST_UTILS_PATH: utils,
     }
     with tempfile.TemporaryDirectory(prefix="vllm-seam-series-") as tmp:

@@ -143,14 +143,16 @@ def slot_check(patched: str) -> str:
     """The release's own slot check, which the seam is called right after, described (not quoted:
     vLLM's code stays in the patches)."""
     lines = patched.splitlines()
-    call = next(i for i, ln in enumerate(lines) if ln.strip() == f"if self.{SEAM_METHOD}():")
+    at = next(i for i, ln in enumerate(lines) if f"self.{SEAM_METHOD}()" in ln and "def " not in ln)
+    call = next(i for i in range(at, 0, -1) if lines[i].lstrip().startswith("if "))
     check, inputs = lines[call - 2], "\n".join(lines[max(call - 5, 0) : call - 2])
     limit = re.findall(r"self\.(max_num_\w+_reqs)", check)
     operator = re.findall(r"(>=|==|>)", check)
     described = f"{operator[-1] if operator else '?'} {limit[-1] if limit else '?'}"
     if "num_waiting_for_streaming_input" in inputs + check:
         described += ", counting paused streaming sessions"
-    return described
+    fresh_only = "request_queue is self.waiting" in "\n".join(lines[call:at])
+    return described + ("; holds new requests only" if fresh_only else "; ends the loop")
 
 
 def junit_counts(path: Path, select=lambda test_id: True) -> dict[str, int]:

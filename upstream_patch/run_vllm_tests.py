@@ -11,7 +11,7 @@ of the installed vLLM: its unpacked wheel shadows the installed one in the test 
    registry and cached (``seam_patch.fetch_sdist``).
 2. vLLM's ``tests/`` is extracted, without its ``conftest.py`` files (they import model runners
    and hub clients), and the series' test part is applied to it (``git apply --include=tests/*``:
-   its cases appended to ``test_scheduler.py``; before 0.31 also ``create_scheduler()``'s
+   its cases added to ``test_scheduler.py``, beside its throttle tests; before 0.31 also
    ``scheduler_cls``, which the unpatched side's tests ignore); pytest runs
    ``tests/v1/core/test_scheduler.py`` and ``test_async_scheduler.py`` (``--balance``: the first
    only, without the series). ``tests/vllm_own_conftest.py`` replaces the conftests.
@@ -78,7 +78,7 @@ from seam_patch import (
 HERE = Path(__file__).resolve().parent
 TESTS_DIR = HERE.parent / "tests"
 
-ENTRY_TEST = SEAM_TEST_PATH  # vLLM's test_scheduler.py, where the series appends its cases
+ENTRY_TEST = SEAM_TEST_PATH  # vLLM's test_scheduler.py, where the series adds its cases
 ASYNC_TEST = "tests/v1/core/test_async_scheduler.py"
 # The seam on vLLM's own tests of both scheduler classes; --balance keeps to test_scheduler.py,
 # which is what nox -s reach records.
@@ -87,15 +87,17 @@ BALANCE_ENTRIES = (ENTRY_TEST,)
 
 # Replaces vLLM's conftest.py files in the extracted tests/ (it is test code: it lives in tests/).
 CONFTEST = TESTS_DIR / "vllm_own_conftest.py"
+# Chooses each side's scheduler; with --vllm-conftest a pytest plugin beside vLLM's conftests.
+SIDE_PLUGIN = TESTS_DIR / "vllm_own_side.py"
 
 
 class RunError(RuntimeError):
     pass
 
 
-def extract_tests(sdist: Path, version: str, into: Path) -> int:
+def extract_tests(sdist: Path, version: str, into: Path, conftests: bool = False) -> int:
     """vLLM's ``tests/`` from the sdist, without its ``conftest.py`` files (they import model
-    runners and hub clients; ours replaces them); returns how many files."""
+    runners and hub clients; ours replaces them) unless ``conftests``; returns how many files."""
     prefix = f"vllm-{version}/"
     with tarfile.open(sdist) as tar:
         members = [
@@ -103,7 +105,7 @@ def extract_tests(sdist: Path, version: str, into: Path) -> int:
             for member in tar.getmembers()
             if member.isfile()
             and member.name.startswith(f"{prefix}tests/")
-            and Path(member.name).name != "conftest.py"
+            and (conftests or Path(member.name).name != "conftest.py")
         ]
         for member in members:
             member.name = member.name.removeprefix(prefix)
@@ -162,7 +164,7 @@ def run_side(
 
 def is_seam_test(test_id: str, seam_names: frozenset[str]) -> bool:
     """Whether a ``classname::name`` id is one of the series' own tests (the functions it
-    appends to test_scheduler.py; a parametrized one is ``name[...]``)."""
+    adds to test_scheduler.py; a parametrized one is ``name[...]``)."""
     return test_id.split("::", 1)[-1].split("[", 1)[0] in seam_names
 
 
@@ -293,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="RELEASE",
         help="with --balance: also vllm-ascend RELEASE's own BalanceScheduler (its sdist's source)",
     )
+    parser.add_argument(
+        "--vllm-conftest",
+        action="store_true",
+        help="keep vLLM's own conftest.py files (VLLM_TARGET_DEVICE=cpu; needs the hub's models)",
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
     if args.in_tree and (args.balance or not args.release):
@@ -321,8 +328,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     names = {name for series in stack for name in seam_test_names(series)}
     seam_names = frozenset() if args.balance else frozenset(names)
-    extracted = extract_tests(sdist, version, tree)
-    shutil.copyfile(CONFTEST, tree / "conftest.py")
+    extracted = extract_tests(sdist, version, tree, conftests=args.vllm_conftest)
+    shutil.copyfile(SIDE_PLUGIN, tree / SIDE_PLUGIN.name)
+    pytest_args = list(args.pytest_args)
+    if args.vllm_conftest:
+        conftest = "vLLM's own conftest.py files, VLLM_TARGET_DEVICE=cpu"
+        os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # for the pytest children
+        pytest_args[:0] = ["-p", SIDE_PLUGIN.stem]
+    else:
+        conftest = f"tests/{CONFTEST.name} (this repository's offline replacement)"
+        shutil.copyfile(CONFTEST, tree / "conftest.py")
     # pytest's defaults, not the settings of a directory above the tree: nox puts it under this
     # repository (its --strict-markers refuses 0.30.0's test_scheduler.py, whose markers are
     # registered by vLLM's own configuration, which is not extracted).
@@ -333,11 +348,11 @@ def main(argv: list[str] | None = None) -> int:
             from vllm_ascend_standin import prepared_root
 
             ascend_root = prepared_root(args.vllm_ascend, version)
-        sides, problems = balance_sides(tree, args.pytest_args, ascend_root)
+        sides, problems = balance_sides(tree, pytest_args, ascend_root)
     elif args.in_tree:
-        sides, problems = in_tree_sides(tree, unpacked, stack, args.pytest_args, seam_names)
+        sides, problems = in_tree_sides(tree, unpacked, stack, pytest_args, seam_names)
     else:
-        sides, problems = seam_sides(tree, source, match, args.pytest_args, seam_names)
+        sides, problems = seam_sides(tree, source, match, pytest_args, seam_names)
     reference, candidate = list(sides)[:2]
     lost, skip_drift = lost_tests(
         sides[reference]["outcomes"], sides[candidate]["outcomes"], seam_names
@@ -353,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"skips differ between sides: {skip_drift[:5]}")
     report = {
         "vllm": version,
+        "conftest": conftest,
         "series": match.series.ref,
         "stack": [str(series.directory.relative_to(HERE)) for series in stack],
         "installed_is_patched": match.already_seamed,
@@ -368,7 +384,19 @@ def main(argv: list[str] | None = None) -> int:
         "lost_by": also_lost,  # the same for a side beside them (vllm-ascend's scheduler)
         "problems": problems,
     }
+    # Why each of the series' tests fails where it does (the unpatched side): its stated reason.
+    report["seam_failures"] = {
+        name: {
+            test_id: message.strip().splitlines()[0][:300] if message.strip() else ""
+            for test_id, message in side["failures"].items()
+            if is_seam_test(test_id, seam_names)
+        }
+        for name, side in sides.items()
+    }
+    print(f"vLLM {version}: conftest: {conftest}")
     for name in sides:
+        for test_id, reason in report["seam_failures"][name].items():
+            print(f"vLLM {version} {name:9s} {test_id.split('::')[-1]} fails: {reason}")
         for label, counts in report["by_file"][name].items():
             print(
                 f"vLLM {version} {name:9s} {label}: "

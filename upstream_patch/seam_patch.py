@@ -37,7 +37,7 @@ IN_TREE_ROOT = PATCH_ROOT / "in-tree"
 SEAM_METHOD = "_should_stop_admitting_waiting"
 SCHEDULER_PATH = "vllm/v1/core/sched/scheduler.py"
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
-# The series appends its cases to vLLM's own scheduler tests; before 0.31 it also gives the test
+# The series adds its cases to vLLM's own scheduler tests; before 0.31 it also gives the test
 # factory create_scheduler() the scheduler_cls parameter those cases use (0.31 added it).
 SEAM_TEST_PATH = "tests/v1/core/test_scheduler.py"
 TEST_UTILS_PATH = "tests/v1/core/utils.py"
@@ -166,7 +166,7 @@ def scheduler_text(source: str, series: Series, reverse: bool = False) -> str:
 
 def added_lines(series: Series, path: str) -> list[str]:
     """The lines the series adds to ``path`` (keepends), in order: what is written by hand
-    (``make_series.authored``) and the test cases it appends."""
+    (``make_series.authored``) and the test cases it adds."""
     text = series.patches[0].read_text(encoding="utf-8")
     _, found, part = text.partition(f"\n+++ b/{path}\n")
     if not found:
@@ -177,7 +177,7 @@ def added_lines(series: Series, path: str) -> list[str]:
 
 
 def seam_test_names(series: Series) -> list[str]:
-    """The test functions the series appends to vLLM's test_scheduler.py."""
+    """The test functions the series adds to vLLM's test_scheduler.py."""
     return re.findall(r"^def (test_\w+)\(", "".join(added_lines(series, SEAM_TEST_PATH)), re.M)
 
 

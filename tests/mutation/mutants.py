@@ -115,9 +115,9 @@ def gate_only_before_loop() -> None:
 
 
 def gate_before_slot_check() -> None:
-    """Delta 2 back where it was before the seam became hold-only: the gate first in the WAITING
-    loop, before upstream's slot check. A leader at the cap then stops on the gate, so its step
-    no longer counts as capacity-bound for vLLM's prefill cadence, as upstream's would."""
+    """Delta 2 back where it was before the seam became hold-only: the gate right before
+    upstream's slot check. A leader at the cap then stops on the gate, so its step no longer
+    counts as capacity-bound for vLLM's prefill cadence, as upstream's would."""
     from vllm_balance.compat import derive
 
     def move(source: str) -> str:
@@ -125,19 +125,26 @@ def gate_before_slot_check() -> None:
         at = next(i for i, line in enumerate(lines) if derive.DELTA_GATE[0] in line)
         gate = lines[at : at + len(derive.DELTA_GATE)]
         del lines[at : at + len(derive.DELTA_GATE)]
-        loop = next(i for i in range(at - 1, 0, -1) if lines[i].lstrip().startswith("while "))
-        lines[loop + 1 : loop + 1] = gate
+        lines[at - 2 : at - 2] = gate  # above the slot check's `if` and its `break`
         return "".join(lines)
 
     _mutate_derived("gate_before_slot_check", move)
 
 
-def hold_marks_capacity_bound() -> None:
-    """Delta 4 dropped: a frozen step updates prefill_capacity_bound like a capacity-bound one,
-    so the next step vLLM's prefill cadence throttles admits anyway (issue 30)."""
+def held_step_marks_capacity_bound() -> None:
+    """A held step's prefill_capacity_bound kept as upstream records it: the next step vLLM's
+    prefill cadence throttles admits anyway (the policy the seam no longer carries)."""
+    mixin = _mixin()
+    mixin._held_schedule = lambda self, throttle: super(mixin, self).schedule(throttle)
+
+
+def gate_pins_kv_holders() -> None:
+    """Compat: delta 2 without its ``request_queue is self.waiting`` guard where the loop drains
+    KV-holders first (0.31+): a frozen step leaves a finished async KV load parked, holding its
+    blocks. (On the shim the same bug is the seam's: the neutrality suite's ``kv_holders_held``.)"""
     from vllm_balance.compat import derive
 
-    derive.DELTA_CAPACITY = (derive.DELTA_CAPACITY[0], "")
+    derive.DELTA_GATE_FRESH = derive.DELTA_GATE
 
 
 def disabled_allocates_balance_queue() -> None:
@@ -306,10 +313,16 @@ MUTANTS = {
             gate_before_slot_check,
         ),
         Mutant(
-            "hold_marks_capacity_bound",
-            "Phase 2A delta 4 dropped: a frozen step lifts vLLM's prefill throttle",
+            "held_step_marks_capacity_bound",
+            "a frozen step updates `prefill_capacity_bound` (lifts vLLM's prefill throttle)",
+            ("shim", "compat"),
+            held_step_marks_capacity_bound,
+        ),
+        Mutant(
+            "gate_pins_kv_holders",
+            "Phase 2A delta 2 also holds KV-holders (0.31+: a finished KV load stays parked)",
             ("compat",),
-            hold_marks_capacity_bound,
+            gate_pins_kv_holders,
         ),
         Mutant(
             "disabled_allocates_balance_queue",
