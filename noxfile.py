@@ -24,7 +24,13 @@ ROOT = Path(__file__).resolve().parent
 # for the nox process itself; in every venv nox builds through a .pth (support_paths).
 SUPPORT_PATHS = [ROOT / "tests", ROOT / "tools", ROOT / "upstream_patch", ROOT]
 sys.path.extend(str(path) for path in SUPPORT_PATHS)
-from seam_patch import fetch_sdist, shadowing, unpacked_release  # noqa: E402
+from seam_patch import (  # noqa: E402
+    IN_TREE_ROOT,
+    all_series,
+    fetch_sdist,
+    shadowing,
+    unpacked_release,
+)
 
 from pins import PIN_NAMES, PinError, read_pin, read_vllm_ascend_pins  # noqa: E402
 
@@ -283,18 +289,23 @@ def vllm_own_tests(session: nox.Session) -> None:
     unpatched: at every pin, or at the releases given (`nox -s vllm-own-tests -- 0.33.0`).
 
     Each release's wheel shadows the pinned vLLM on PYTHONPATH (run_vllm_tests.py --release), so
-    one venv serves every release, as in `nox -s reach`.
+    one venv serves every release, as in `nox -s reach`. `-- --in-tree [X.Y.Z]`: the in-tree
+    series (balance scheduling in vLLM, on the seam) instead, at every release it has.
     """
     install_pinned_vllm(session, "release-tag")
+    in_tree = ["--in-tree"] if "--in-tree" in session.posargs else []
+    releases = [arg for arg in session.posargs if arg != "--in-tree"]
+    if in_tree and not releases:
+        releases = [s.ref.removeprefix("v") for s in all_series(IN_TREE_ROOT)]
     # dict.fromkeys: one run per release (the release tag is also the e2e pin's vLLM).
-    releases = session.posargs or list(dict.fromkeys(read_pin(name).version for name in PIN_NAMES))
+    releases = releases or list(dict.fromkeys(read_pin(name).version for name in PIN_NAMES))
     for release in releases:
         if release is None:
             session.error("a pin is not an exact release: name the release (-- X.Y.Z)")
         # Each run reports its numbers (passed/skipped/failed per side and file) and as JSON.
         report = Path(session.create_tmp()) / f"vllm-own-tests-{release}.json"
         session.run(
-            "python", "upstream_patch/run_vllm_tests.py", "--release", release,
+            "python", "upstream_patch/run_vllm_tests.py", "--release", release, *in_tree,
             "--report", str(report),
         )  # fmt: skip
 

@@ -1,12 +1,14 @@
 """Apply the seam series: build the fork branch on a vLLM checkout, or patch an installed vLLM.
 
     python upstream_patch/apply.py git <vllm-checkout> [--ref REF] [--branch NAME] [--signoff]
+                                       [--in-tree]
     python upstream_patch/apply.py installed [--check] [--revert] [--root SITE_DIR]
 
 ``git``: creates a branch at REF and commits each patch of the series with its message (``git
 apply --index`` and ``git commit``). Author and committer are yours, from your git configuration:
 the series carries no identity. ``--signoff`` adds your ``Signed-off-by`` (vLLM requires a DCO
-sign-off; without it, ``git commit --amend -s`` later).
+sign-off; without it, ``git commit --amend -s`` later). ``--in-tree`` then commits the in-tree
+series for REF's release on top (balance scheduling in vLLM itself: in-tree/README.md).
 
 ``installed``: patches the non-test part (``vllm/...``) of the series into the vLLM that this
 interpreter imports, found with importlib without importing it.
@@ -36,6 +38,7 @@ from seam_patch import (
     first_line,
     git,
     git_apply,
+    in_tree_stack,
     installed_version,
     installed_vllm_root,
     match_series,
@@ -118,7 +121,9 @@ def _scheduler_at(repo: Path, rev: str) -> str:
     return shown.stdout if shown.returncode == 0 else ""
 
 
-def build_branch(repo: Path, ref: str, branch: str | None, signoff: bool = False) -> str:
+def build_branch(
+    repo: Path, ref: str, branch: str | None, signoff: bool = False, in_tree: bool = False
+) -> str:
     if git(repo, "rev-parse", "--git-dir", check=False).returncode != 0:
         raise ApplyError(f"{repo} is not a git checkout")
     if git(repo, "rev-parse", "--verify", "-q", f"{ref}^{{commit}}", check=False).returncode:
@@ -127,8 +132,14 @@ def build_branch(repo: Path, ref: str, branch: str | None, signoff: bool = False
     if match is None or match.already_seamed:
         return f"{repo}: {ref} already defines {SEAM_METHOD}; nothing to do"
     series = match.series
+    patches = list(series.patches)
+    if in_tree:
+        stack = in_tree_stack(series.ref.removeprefix("v"))
+        if not stack or stack[0] != series:
+            raise ApplyError(f"{repo}: no in-tree series for {ref} (series {series.ref} fits)")
+        patches += stack[1].patches
 
-    branch = branch or f"admission-seam-{series.ref}"
+    branch = branch or f"{'balance-scheduling' if in_tree else 'admission-seam'}-{series.ref}"
     if (
         git(repo, "rev-parse", "--verify", "-q", f"refs/heads/{branch}", check=False).returncode
         == 0
@@ -144,7 +155,7 @@ def build_branch(repo: Path, ref: str, branch: str | None, signoff: bool = False
         original = git(repo, "rev-parse", "HEAD").stdout.strip()
     git(repo, "checkout", "-q", "-b", branch, ref)
     try:
-        for patch in series.patches:
+        for patch in patches:
             git(repo, "apply", "--index", str(patch))
             # Author and committer come from the user's git configuration; none is invented.
             signed = ["--signoff"] if signoff else []
@@ -157,8 +168,8 @@ def build_branch(repo: Path, ref: str, branch: str | None, signoff: bool = False
         git(repo, "checkout", "-q", original, check=False)
         git(repo, "branch", "-D", branch, check=False)
         raise ApplyError(f"{repo}: {exc}; branch removed") from exc
-    count = len(series.patches)
-    return f"{repo}: branch {branch} = {ref} + series {series.ref} ({count} commit(s))"
+    what = f"series {series.ref}" + (" + its in-tree series" if in_tree else "")
+    return f"{repo}: branch {branch} = {ref} + {what} ({len(patches)} commit(s))"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     git_mode.add_argument(
         "--signoff", action="store_true", help="add your Signed-off-by (git commit --signoff)"
     )
+    git_mode.add_argument(
+        "--in-tree", action="store_true", help="also commit the in-tree series (balance in vLLM)"
+    )
     installed = modes.add_parser("installed", help="patch the vLLM this interpreter imports")
     installed.add_argument("--check", action="store_true", help="dry run: write nothing")
     installed.add_argument("--revert", action="store_true", help="remove the seam instead")
@@ -180,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.mode == "git":
-            message = build_branch(args.checkout.resolve(), args.ref, args.branch, args.signoff)
+            message = build_branch(
+                args.checkout.resolve(), args.ref, args.branch, args.signoff, args.in_tree
+            )
         else:
             message = apply_installed(args.root, check=args.check, revert=args.revert)
     except (ApplyError, PatchError) as exc:

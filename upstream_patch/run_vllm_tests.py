@@ -1,6 +1,7 @@
 """Run vLLM's own scheduler tests on the unpatched and the patched scheduler of the installed vLLM.
 
     python upstream_patch/run_vllm_tests.py [--release X] [--report FILE] [--balance] [-- ARGS]
+    python upstream_patch/run_vllm_tests.py --release X --in-tree [--report FILE] [-- ARGS]
 
 This is what an upstream reviewer's CI runs first. ``--release X`` runs on vLLM release X instead
 of the installed vLLM: its unpacked wheel shadows the installed one in the test processes
@@ -24,6 +25,12 @@ Pass: the patched side passes every test of vLLM's the unpatched side passes (sa
 series' own tests (the functions it adds) all pass on the patched side and each fails on the
 unpatched side (each tells the two apart), and none fails there only because the method is
 missing (an ``AttributeError`` naming it: a test that proves nothing about the behaviour).
+
+``--in-tree`` runs the in-tree series (balance scheduling in vLLM, stacked on the seam) instead
+of the seam alone: both series' tests are applied to the sdist's; the unpatched side is release X
+as it ships, the patched side its unpacked wheel with both series' ``vllm/`` part applied (the
+series changes more than the scheduler, so the whole tree is patched, then restored). Pass as for
+the seam, with the tests of both series as "the series' tests".
 
 ``--balance --vllm-ascend R`` adds a third side, vllm-ascend release R's own ``BalanceScheduler``
 (its sdist's source, fetched like vLLM's; gate open), reported beside the two and not judged;
@@ -59,6 +66,7 @@ from seam_patch import (
     PatchError,
     fetch_sdist,
     git_apply,
+    in_tree_stack,
     installed_version,
     installed_vllm_root,
     match_series,
@@ -213,6 +221,32 @@ def seam_sides(
         "unpatched": run_side(tree, "unpatched", unpatched_file, pytest_args, SEAM_ENTRIES),
         "patched": run_side(tree, "patched", patched_file, pytest_args, SEAM_ENTRIES),
     }
+    return sides, judge_series_tests(sides, seam_names)
+
+
+def in_tree_sides(
+    tree: Path, unpacked: Path, stack: list, pytest_args: list[str], seam_names: frozenset[str]
+) -> tuple[dict, list[str]]:
+    """The in-tree series on vLLM's own tests: release as shipped vs the unpacked release
+    (``unpacked``, first on the children's PYTHONPATH) with every series of ``stack`` applied."""
+    patches = [str(patch) for series in stack for patch in series.patches]
+    applied = git_apply(tree, "--include=tests/*", *patches)
+    if applied.returncode != 0:
+        raise RunError(f"the series' tests do not apply to the sdist's: {applied.stderr.strip()}")
+    sides = {"unpatched": run_side(tree, "unpatched", None, pytest_args, SEAM_ENTRIES)}
+    applied = git_apply(unpacked, "--include=vllm/*", *patches)
+    if applied.returncode != 0:
+        raise RunError(f"the series do not apply to the wheel's vllm/: {applied.stderr.strip()}")
+    try:
+        sides["patched"] = run_side(tree, "patched", None, pytest_args, SEAM_ENTRIES)
+    finally:
+        git_apply(unpacked, "-R", "--include=vllm/*", *patches[::-1])
+    return sides, judge_series_tests(sides, seam_names)
+
+
+def judge_series_tests(sides: dict, seam_names: frozenset[str]) -> list[str]:
+    """Each side ran the scheduler it should; the series' own tests pass patched, each fails
+    unpatched, and none fails there only because the seam method is missing."""
     problems = []
     for name, result in sides.items():
         if result["side"]["has_seam"] != (name == "patched"):
@@ -229,7 +263,7 @@ def seam_sides(
     missing = [t for t in failing if "AttributeError" in messages[t] and SEAM_METHOD in messages[t]]
     if missing:
         problems.append(f"series tests fail unpatched only for the missing method: {missing}")
-    return sides, problems
+    return problems
 
 
 def balance_sides(
@@ -264,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--release", help="a vLLM release to run on instead of the installed one")
     parser.add_argument(
+        "--in-tree", action="store_true", help="the in-tree series, on the seam (needs --release)"
+    )
+    parser.add_argument(
         "--vllm-ascend",
         metavar="RELEASE",
         help="with --balance: also vllm-ascend RELEASE's own BalanceScheduler (its sdist's source)",
@@ -281,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
+    if args.in_tree and (args.balance or not args.release):
+        parser.error("--in-tree needs --release and excludes --balance")
 
     if args.release:
         version = args.release
@@ -299,7 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     tree = Path(tempfile.mkdtemp(prefix=f"vllm-{version}-own-tests-"))
     entries = BALANCE_ENTRIES if args.balance else SEAM_ENTRIES
     # --balance runs vLLM's tests as the sdist has them: the series' tests are not in the tree.
-    seam_names = frozenset() if args.balance else frozenset(seam_test_names(match.series))
+    stack = in_tree_stack(version) if args.in_tree else [match.series]
+    if not stack or stack[0] != match.series:
+        print(f"run_vllm_tests.py: error: no in-tree series for vLLM {version}", file=sys.stderr)
+        return 1
+    names = {name for series in stack for name in seam_test_names(series)}
+    seam_names = frozenset() if args.balance else frozenset(names)
     extracted = extract_tests(sdist, version, tree, conftests=args.vllm_conftest)
     shutil.copyfile(SIDE_PLUGIN, tree / SIDE_PLUGIN.name)
     pytest_args = list(args.pytest_args)
@@ -325,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
 
             ascend_root = root_from_tree(args.vllm_ascend_tree.resolve())
         sides, problems = balance_sides(tree, pytest_args, ascend_root)
+    elif args.in_tree:
+        sides, problems = in_tree_sides(tree, unpacked, stack, pytest_args, seam_names)
     else:
         sides, problems = seam_sides(tree, source, match, pytest_args, seam_names)
     reference, candidate = list(sides)[:2]
@@ -344,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         "vllm": version,
         "conftest": conftest,
         "series": match.series.ref,
+        "stack": [str(series.directory.relative_to(HERE)) for series in stack],
         "installed_is_patched": match.already_seamed,
         "extracted_files": extracted,
         # vLLM's own tests (all entry files together; the name is what reach.py reads).

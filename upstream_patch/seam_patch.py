@@ -31,6 +31,9 @@ from types import ModuleType
 from packaging.version import InvalidVersion, Version
 
 PATCH_ROOT = Path(__file__).resolve().parent
+# The alternative to the seam alone: balance scheduling in vLLM itself, stacked on the seam
+# (in-tree/README.md). Same layout: one directory of patches per ref.
+IN_TREE_ROOT = PATCH_ROOT / "in-tree"
 SEAM_METHOD = "_should_stop_admitting_waiting"
 SCHEDULER_PATH = "vllm/v1/core/sched/scheduler.py"
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
@@ -62,17 +65,17 @@ class Series:
         return Version(self.ref)
 
 
-def all_series() -> list[Series]:
-    """Every series directory (one holding ``*.patch``), oldest first."""
+def all_series(root: Path = PATCH_ROOT) -> list[Series]:
+    """Every series directory (one holding ``*.patch``) under ``root``, oldest first."""
     found = []
-    for directory in PATCH_ROOT.glob("v[0-9]*"):  # not vllm-ascend/: that series is for vllm-ascend
+    for directory in root.glob("v[0-9]*"):  # not vllm-ascend/: that series is for vllm-ascend
         patches = tuple(sorted(directory.glob("*.patch")))
         if patches:
             found.append(Series(directory.name, directory, patches))
     return sorted(found, key=lambda s: s.version)
 
 
-def serving_series(version: str) -> Series | None:
+def serving_series(version: str, root: Path = PATCH_ROOT) -> Series | None:
     """The stored series that serves release ``version``: its own, else the nearest newer one
     (``make_series.py`` stores a release only where its text differs from that one's); None for
     a name that is no version (a branch, a commit)."""
@@ -80,7 +83,21 @@ def serving_series(version: str) -> Series | None:
         wanted = Version(version)
     except InvalidVersion:
         return None
-    return next((s for s in all_series() if s.version >= wanted), None)
+    return next((s for s in all_series(root) if s.version >= wanted), None)
+
+
+def in_tree_stack(version: str) -> list[Series]:
+    """The series that make the in-tree branch for release ``version``: the seam series serving
+    it, then the in-tree series stored for exactly that release (it is written against the
+    seam's text, so an older release has none); [] where there is none."""
+    in_tree = next((s for s in all_series(IN_TREE_ROOT) if s.ref == f"v{version}"), None)
+    seam = serving_series(version)
+    return [seam, in_tree] if in_tree and seam else []
+
+
+def stack_paths(stack: list[Series]) -> list[str]:
+    """Every repository path the series of ``stack`` change, in order."""
+    return list(dict.fromkeys(path for series in stack for path in numstat(series)))
 
 
 def git_apply(tree: Path, *args: str) -> subprocess.CompletedProcess:
@@ -302,6 +319,36 @@ def sdist_test_files(version: str) -> dict[str, str]:
             path: tar.extractfile(member).read().decode("utf-8")  # type: ignore[union-attr]
             for path, member in found.items()
         }
+
+
+def sdist_files(version: str, paths: list[str]) -> dict[str, str]:
+    """Files of the release's sdist at repository paths ``paths`` (the ones it has)."""
+    prefix = f"vllm-{version}/"
+    wanted = {prefix + path for path in paths}
+    with tarfile.open(fetch_sdist(version)) as tar:
+        found = {m.name.removeprefix(prefix): m for m in tar if m.name in wanted}
+        return {
+            path: tar.extractfile(member).read().decode("utf-8")  # type: ignore[union-attr]
+            for path, member in found.items()
+        }
+
+
+def stack_files(version: str, stack: list[Series], vllm_root: Path | None = None) -> dict[str, str]:
+    """What the series of ``stack`` change, as release ``version`` ships it: ``vllm/`` files from
+    ``vllm_root`` (an installed or unpacked tree; default: the release's wheel), the rest from its
+    sdist. Raises PatchError for a path neither has."""
+    paths = stack_paths(stack)
+    package = [p for p in paths if p.startswith("vllm/")]
+    if vllm_root is None:
+        with zipfile.ZipFile(wheel_for(version)) as archive:
+            files = {p: archive.read(p).decode("utf-8") for p in package}
+    else:
+        files = {p: (vllm_root / p).read_text(encoding="utf-8") for p in package}
+    files.update(sdist_files(version, [p for p in paths if not p.startswith("vllm/")]))
+    missing = sorted(set(paths) - set(files))
+    if missing:
+        raise PatchError(f"vLLM {version} has no {', '.join(missing)}")
+    return files
 
 
 def release_files(version: str, scheduler_source: str | None = None) -> dict[str, str]:
