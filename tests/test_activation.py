@@ -130,8 +130,9 @@ def test_installed_with_balance_off_every_vllm_object_is_upstreams_but_the_pass_
     """The one object that differs: ``EngineCoreProc.run_engine_core``, the wrapper a general
     plugin needs (it is the first code that sees an engine process's config), and where Ray is
     installed the Ray launcher's ``CoreEngineActorManager.__init__`` (the same, for Ray's actors);
-    with balance off they pass straight through. No annotation is rewritten, no class swapped. Control: the
-    probe does see the API server's decode patch (an annotation rewrite) once it is installed."""
+    with balance off they pass straight through. No annotation is rewritten, no class swapped.
+    Control: the probe does see the API server's decode patch (an annotation rewrite) once it is
+    installed."""
     import json
     import os
 

@@ -40,7 +40,8 @@ def register() -> None:
         RUN_ENGINE_CORE_WRAPPER.install()
     if metrics_decoding_requested():
         STATS_DECODED_WITH_BALANCE.install()
-    if ray_backend_present():  # the API server chooses the Ray actors' class: vllm_balance.ray_actor
+    # The API server chooses the Ray actors' class: vllm_balance.ray_actor.
+    if ray_backend_present():
         RAY_ACTOR_MANAGER_WRAPPER.install()
     logger.debug(
         "vllm-balance-scheduling plugin registered (%s wrapped)", RUN_ENGINE_CORE_WRAPPER.name
