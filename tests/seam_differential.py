@@ -143,13 +143,24 @@ def balance_on_each_path() -> dict[str, type]:
     """The balance ``Scheduler`` of each path for the installed vLLM, side by side in one process:
     ``"shim"`` on the seamed twin, ``"compat"`` derived from the unpatched one (what a session
     with the other pin's seam flag would select), both with the package's own mixin."""
+    import os
     import sys
 
-    from vllm_balance.compat.derive import build_phase2a_schedule
+    from vllm_balance.compat.derive import ALLOW_UNVERIFIED_ENV, build_phase2a_schedule
     from vllm_balance.shim.scheduler import BalanceSchedulerMixin
 
     pair = twins()
-    derived = build_phase2a_schedule(sys.modules[pair.unpatched.__module__])
+    # For the comparison only: whether this release's schedule() is verified for the compat path
+    # is test_compat_derive's question (and reach's, which may be verifying it in this run).
+    allowed = os.environ.get(ALLOW_UNVERIFIED_ENV)
+    os.environ[ALLOW_UNVERIFIED_ENV] = "1"
+    try:
+        derived = build_phase2a_schedule(sys.modules[pair.unpatched.__module__])
+    finally:
+        if allowed is None:
+            del os.environ[ALLOW_UNVERIFIED_ENV]
+        else:
+            os.environ[ALLOW_UNVERIFIED_ENV] = allowed
     return {
         "shim": type("BalanceScheduler", (BalanceSchedulerMixin, pair.patched), {}),
         "compat": type("CompatBalanceScheduler", (BalanceSchedulerMixin, derived), {}),
