@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 
 import pytest
+
 from pins import DISTRIBUTIONS
 
 PLUGINS_DISTRIBUTION = "vllm-balance-e2e-plugins"
