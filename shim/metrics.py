@@ -6,9 +6,9 @@ into the per-engine ``vllm:*`` metrics. Balance rides along (docs/design.md, "Me
 rank", weighs this against a per-node exporter):
 
 - engine core: at each periodic log line, ``BalanceMetrics.publish()`` queues what the counters
-  grew by since the previous line, and the scheduler's next ``make_stats()`` hands the queue to
-  vLLM as a ``BalanceSchedulerStats``: vLLM's class plus one field, ``balance``. Every other
-  step runs upstream's ``make_stats()`` untouched.
+  grew by since the previous line, and the balance scheduler's next ``make_stats()`` (an override
+  in ``shim/scheduler.py``) hands the queue to vLLM as a ``BalanceSchedulerStats``: vLLM's class
+  plus one field, ``balance``. Every other step returns upstream's stats as they are.
 - API server: ``BalanceStatLogger``, a vLLM stat-logger plugin (entry point
   ``vllm.stat_logger_plugins``), adds each message's increases to counters labelled like vLLM's
   own per-engine metrics (``model_name``, ``engine``), so ``/metrics`` after a rank's message
@@ -89,18 +89,12 @@ class BalanceSchedulerStats(SchedulerStats):
 class BalanceMetrics:
     """Engine side: one rank's counter increases waiting for its scheduler's next stats.
 
-    ``publish()`` shadows the scheduler's ``make_stats`` with ``_make_stats_carrying`` (an
-    instance attribute), which runs upstream's, hands over the queue and removes itself: the
-    steps between publishes run upstream's method with nothing added (an override checking for
-    a queue cost ~2,400 instructions a step, 11% of upstream's ``make_stats()``: measured with
-    benchmarks/instructions.py --metrics-only). Where vLLM collects no stats
-    (``--disable-log-stats``: ``make_stats()`` returns None) nothing is shadowed and the queue
-    keeps adding up.
+    The scheduler's ``make_stats()`` attaches ``pending`` where it is not empty (after a
+    publish). Where vLLM collects no stats (``--disable-log-stats``: ``make_stats()`` returns
+    None) nothing is attached and the queue keeps adding up.
     """
 
-    def __init__(self, scheduler: Any) -> None:
-        self._scheduler = scheduler
-        self._upstream_make_stats = scheduler.make_stats
+    def __init__(self) -> None:
         self._published: dict[str, float] = {}
         self.pending: dict[str, float] = {}
 
@@ -113,12 +107,6 @@ class BalanceMetrics:
             self._published[field] = value
         if stats.gathers:
             pending[GAP_GAUGE[0]] = stats.gathered_max - stats.gathered_min
-        if self._scheduler.log_stats:
-            self._scheduler.make_stats = self._make_stats_carrying
-
-    def _make_stats_carrying(self, *args: Any, **kwargs: Any) -> Any:
-        del self._scheduler.make_stats  # the next step runs upstream's again
-        return self.attach(self._upstream_make_stats(*args, **kwargs))
 
     def attach(self, stats: SchedulerStats) -> BalanceSchedulerStats:
         """``stats`` as a ``BalanceSchedulerStats`` carrying the queue, which starts afresh."""
@@ -236,14 +224,21 @@ def balance_field_decoded() -> bool:
     return BalanceSchedulerStats.__name__ in str(decoded)
 
 
+# The balance families this process registered last: one set per process, as vLLM's.
+_registered: list[Any] = []
+
+
 def _families() -> dict[str, Any]:
-    """The balance metric families in prometheus_client's default registry (vLLM's /metrics)."""
+    """The balance metric families in prometheus_client's default registry (vLLM's /metrics),
+    replacing the set an earlier stat logger in this process registered."""
     from prometheus_client import REGISTRY, Counter, Gauge
 
     labels = ["model_name", "engine"]
-    for collector in list(REGISTRY._collector_to_names):  # one set per process, as vLLM's
-        if getattr(collector, "_name", "").startswith("vllm:balance_"):
+    for collector in _registered:
+        try:
             REGISTRY.unregister(collector)
+        except KeyError:  # unregistered already: vLLM's Prometheus logger removes vllm:* ones
+            pass
     families: dict[str, Any] = {
         name: Counter(f"vllm:{name}", documentation, labels) for name, _, documentation in COUNTERS
     }
@@ -253,4 +248,5 @@ def _families() -> dict[str, Any]:
         labels,
         multiprocess_mode="mostrecent",  # as vLLM's own per-engine gauges
     )
+    _registered[:] = families.values()
     return families

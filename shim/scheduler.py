@@ -17,8 +17,9 @@ import torch.distributed as dist
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.metrics.stats import SchedulerStats
 
-from vllm_balance.config import ALL_GATHER, options_for
+from vllm_balance.config import ALL_GATHER, read_options
 from vllm_balance.shim import collective
 from vllm_balance.shim.metrics import BalanceMetrics
 from vllm_balance.shim.stats import BalanceStats, PeriodicLog
@@ -32,7 +33,13 @@ except ImportError:  # a vLLM without scheduler pause states
     PAUSED_ALL = None
 
 
-class BalanceSchedulerMixin:
+if TYPE_CHECKING:  # what the mixin is put in front of, so that super() calls type-check
+    _SchedulerBase = Scheduler
+else:
+    _SchedulerBase = object
+
+
+class BalanceSchedulerMixin(_SchedulerBase):
     """Balance state and gate; mixed in front of ``Scheduler`` or ``AsyncScheduler``.
 
     The gate reads ``balance_queue`` once, when ``schedule()`` starts: whatever the gather (or a
@@ -49,9 +56,10 @@ class BalanceSchedulerMixin:
         def get_request_counts(self) -> tuple[int, int]: ...
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(vllm_config, *args, **kwargs)  # type: ignore[call-arg]
-        options = options_for(vllm_config)  # None: balance off
+        super().__init__(vllm_config, *args, **kwargs)
+        options = read_options(vllm_config)  # None: balance off
         self._balance_enabled = options is not None
+        self._balance_metrics: BalanceMetrics | None = None
         self.dp_group: Any = None
         self.admission_frozen = False
         self.admission_held = False  # this step's gate stopped a fresh admission
@@ -61,8 +69,8 @@ class BalanceSchedulerMixin:
             self.balance_stats = BalanceStats()
             # Feature detection, not a version: the admission limit the WAITING loop stops at.
             self.balance_cap: int = getattr(self, "max_num_active_reqs", self.max_num_running_reqs)
-            metrics = BalanceMetrics(self)
-            self._periodic_log = PeriodicLog(options.log_interval_s, metrics)
+            self._balance_metrics = BalanceMetrics()
+            self._periodic_log = PeriodicLog(options.log_interval_s, self._balance_metrics)
             self._max_frozen_steps = options.max_frozen_steps
             self._gather_watchdog = GatherWatchdog(
                 options.gather_warn_s,
@@ -186,7 +194,7 @@ class BalanceSchedulerMixin:
             self._periodic_log.maybe_log(self.balance_stats, self._dp_rank)
             if self.admission_frozen:
                 return self._held_schedule(throttle_prefills)
-        return super().schedule(throttle_prefills)  # type: ignore[misc]
+        return super().schedule(throttle_prefills)
 
     def _held_schedule(self, throttle_prefills: bool) -> SchedulerOutput:
         """A frozen step: upstream's, but a step the gate held records nothing for vLLM's prefill
@@ -194,10 +202,19 @@ class BalanceSchedulerMixin:
         capacity limit")."""
         self.admission_held = False
         capacity_bound = self.prefill_capacity_bound
-        output = super().schedule(throttle_prefills)  # type: ignore[misc]
+        output = super().schedule(throttle_prefills)
         if self.admission_held:
             self.prefill_capacity_bound = capacity_bound
         return output
+
+    def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
+        """Upstream's stats; after a publish, carrying its counters to the API server
+        (shim/metrics.py). Arguments as upstream's, whose signature differs between releases."""
+        stats = super().make_stats(*args, **kwargs)
+        metrics = self._balance_metrics
+        if metrics is None or not metrics.pending or stats is None:
+            return stats
+        return metrics.attach(stats)
 
     def _should_stop_admitting_waiting(self) -> bool:
         """The seam: called after upstream's own slot check, before a fresh request (0.31+:

@@ -51,6 +51,17 @@ def _no_deprecated_env(monkeypatch):
 
 
 @pytest.fixture
+def fresh_once_logs():
+    """vLLM's ``warning_once`` / ``info_once`` remember a message for the life of the process
+    (an ``lru_cache`` per level in ``vllm.logger``, no public reset): a test that checks a
+    once-only warning starts as a fresh engine process does (fork children inherit it)."""
+    import vllm.logger
+
+    for name in ("_print_warning_once", "_print_info_once"):
+        getattr(vllm.logger, name).cache_clear()
+
+
+@pytest.fixture
 def forked_probe(tmp_path, monkeypatch):
     """Install the handshake probe for fork children (they inherit it); upstream's afterwards."""
     from engine_probe import install_probe

@@ -173,9 +173,9 @@ def test_balance_on_swaps_engine_core_and_selects_the_balance_scheduler():
     assert config.scheduler_config.scheduler_cls is vllm_balance.BalanceScheduler
 
 
-def test_engine_core_reads_its_config_once(monkeypatch, caplog):
-    # The activation reads the config; the scheduler vLLM then builds from the same VllmConfig
-    # takes that reading, so the deprecated variable's warning prints once per engine process.
+def test_engine_core_warns_about_its_config_once(monkeypatch, caplog, fresh_once_logs):
+    # The activation reads the config and the scheduler vLLM then builds reads it again; the
+    # deprecated variable's warning prints once per engine process all the same.
     monkeypatch.setenv(DEPRECATED_ENV_VAR, "1")
     config = dp_config(additional_config={})
     with caplog.at_level(logging.WARNING, logger="vllm_balance"):

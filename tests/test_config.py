@@ -70,14 +70,14 @@ def test_non_boolean_nested_value_names_the_nested_key():
         enabled_with(nested)
 
 
-def test_deprecated_env_var_enables_with_a_warning(monkeypatch, caplog):
+def test_deprecated_env_var_enables_with_a_warning(monkeypatch, caplog, fresh_once_logs):
     monkeypatch.setenv(DEPRECATED_ENV_VAR, "1")
     with caplog.at_level(logging.WARNING, logger="vllm_balance"):
         assert enabled_with({}) is True
     assert f"{DEPRECATED_ENV_VAR} is deprecated" in caplog.text
 
 
-def test_additional_config_wins_over_deprecated_env_var(monkeypatch, caplog):
+def test_additional_config_wins_over_deprecated_env_var(monkeypatch, caplog, fresh_once_logs):
     monkeypatch.setenv(DEPRECATED_ENV_VAR, "1")
     with caplog.at_level(logging.WARNING, logger="vllm_balance"):
         assert enabled_with({"enable_balance_scheduling": False}) is False

@@ -57,7 +57,8 @@ def vllm_fields(stats) -> dict:
 
 
 def test_make_stats_carries_the_published_increases_once_then_is_upstreams():
-    """Steps between publishes run upstream's ``make_stats`` itself: nothing shadows it."""
+    """Steps between publishes return upstream's stats as they are; no instance attribute
+    stands in for the method."""
     scheduler = balance_scheduler()
     assert "make_stats" not in vars(scheduler)
     assert type(scheduler.make_stats()) is SchedulerStats  # nothing published yet

@@ -253,7 +253,9 @@ def test_both_keys_reach_the_take_over_through_ascend_config(fork_engine_core, a
     assert result["names"]["ascend_config"] == {"enable_balance_scheduling": True}
 
 
-def test_deprecated_env_var_is_not_read_where_ascend_config_decides(fork_engine_core, monkeypatch):
+def test_deprecated_env_var_is_not_read_where_ascend_config_decides(
+    fork_engine_core, monkeypatch, fresh_once_logs
+):
     """vllm-ascend no longer reads ``VLLM_ASCEND_BALANCE_SCHEDULING``; its ``AscendConfig``
     decides here too (off), and says that the variable is ignored."""
     monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "1")

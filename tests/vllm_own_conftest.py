@@ -35,7 +35,7 @@ if os.environ.get("VLLM_BALANCE_SIDE") == "balance":
     # it); one DP rank whose gathered count is 0 keeps the gate open.
     from vllm_balance.config import balance_options
 
-    _shim_scheduler.options_for = balance_options
+    _shim_scheduler.read_options = balance_options
     _BALANCE_CLASSES = {
         Scheduler: vllm_balance.BalanceScheduler,
         AsyncScheduler: vllm_balance.BalanceAsyncScheduler,

@@ -29,10 +29,8 @@ from vllm_balance.config import (
     TAKE_OVER_ENV_VAR,
     TAKE_OVER_KEY,
     BalanceOptions,
-    balance_enabled,
-    balance_options,
     balance_requested,
-    hand_over,
+    read_options,
 )
 from vllm_balance.log import logger
 from vllm_balance.registry import (
@@ -86,7 +84,7 @@ def _foreign_balance_patches() -> list[str]:
 
 def balance_applies(vllm_config: Any) -> tuple[BalanceOptions, list[str]] | None:
     """(options, foreign patches) where balance must be activated for this engine process, else
-    None; raises on impossible configs. The config is read here, once per process.
+    None; raises on impossible configs.
 
     Warnings (balance requested but it cannot act, so nothing is installed) and errors are the
     operator-facing validation table of docs/operations.md.
@@ -97,9 +95,9 @@ def balance_applies(vllm_config: Any) -> tuple[BalanceOptions, list[str]] | None
     foreign = _foreign_balance_patches()
     if foreign:  # vllm-ascend's own code initialises it in this process, whichever decides
         init_vllm_ascend_config(vllm_config)
-    if not balance_enabled(vllm_config):
+    options = read_options(vllm_config)  # a bad key is an error wherever balance is asked for
+    if options is None:
         return None
-    options = balance_options(vllm_config)  # a bad key is an error wherever balance is asked for
     parallel_config = vllm_config.parallel_config
     # Refusals only where balance could act: elsewhere it installs nothing, so nothing conflicts.
     if parallel_config.data_parallel_size <= 1:
@@ -196,7 +194,6 @@ def activate_for(
     options, foreign = applies
     _take_over_if_requested(vllm_config, options, foreign)
     scheduler_cls = select_scheduler_cls(vllm_config)
-    hand_over(vllm_config, options)  # the scheduler vLLM builds next reads no config again
     if engine_core is None:
         DP_ENGINE_CORE_SWAP.install()
         # What run_engine_core will build (the swapped module-global), not a fixed name.

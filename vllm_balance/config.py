@@ -92,10 +92,11 @@ def _env_flag(name: str, hint: str = "") -> Any:
 def _from_deprecated_env() -> Any:
     value = _env_flag(DEPRECATED_ENV_VAR, f"; prefer additional_config.{ENABLE_KEY}")
     if value is not _UNSET:
-        logger.warning(
+        logger.warning_once(
             "%s is deprecated; use --additional-config '{\"%s\": true}' instead",
             DEPRECATED_ENV_VAR,
             ENABLE_KEY,
+            scope="process",  # every engine process says it, as each reads the variable
         )
     return value
 
@@ -105,14 +106,15 @@ def balance_enabled(vllm_config: Any) -> bool:
     value = _from_ascend_config()
     if value is not _UNSET:
         if os.environ.get(DEPRECATED_ENV_VAR) is not None:
-            logger.warning(
-                "%s is not read: vllm-ascend's AscendConfig decides (%s=%r; vllm-ascend "
+            logger.warning_once(
+                "%s is not read: vllm-ascend's AscendConfig decides (%s=%s; vllm-ascend "
                 "0.27.1rc1 and later no longer read the variable); set "
                 "additional_config.scheduler_config.%s instead",
                 DEPRECATED_ENV_VAR,
                 ENABLE_KEY,
-                value,
+                repr(value),  # the once-cache keys on the arguments: a str is hashable
                 ENABLE_KEY,
+                scope="process",
             )
         return _checked_bool(ENABLE_KEY, value)
     for source in (lambda: _from_additional_config(vllm_config), _from_deprecated_env):
@@ -247,27 +249,10 @@ def balance_options(vllm_config: Any) -> BalanceOptions:
 
 
 def read_options(vllm_config: Any) -> BalanceOptions | None:
-    """This config's options where it enables balance scheduling, else None (keys then unread)."""
-    return balance_options(vllm_config) if balance_enabled(vllm_config) else None
+    """This config's options where it enables balance scheduling, else None (keys then unread).
 
-
-# What the activation read in this process, for the scheduler vLLM builds next from the same
-# VllmConfig object: [(vllm_config, options)], taken once.
-_read_by_activation: list[tuple[Any, BalanceOptions]] = []
-
-
-def hand_over(vllm_config: Any, options: BalanceOptions) -> None:
-    """Keep the activation's reading of ``vllm_config`` for ``options_for``."""
-    _read_by_activation[:] = [(vllm_config, options)]
-
-
-def options_for(vllm_config: Any) -> BalanceOptions | None:
-    """What the activation read for this very config object, else ``read_options`` now.
-
-    An engine core reads its config once: the activation's wrapper runs first and vLLM then
-    builds the scheduler from the same ``VllmConfig``, so the deprecated-env warning prints once.
-    A scheduler built any other way (tests, the simulator) reads its own config.
+    The one reader of a ``VllmConfig``: the activation, the balance scheduler and the API
+    server's stat logger each call it with the config they are given. It changes nothing; its
+    warnings print once per process (vLLM's ``warning_once``), however often a process reads.
     """
-    if _read_by_activation and _read_by_activation[0][0] is vllm_config:
-        return _read_by_activation.pop()[1]
-    return read_options(vllm_config)
+    return balance_options(vllm_config) if balance_enabled(vllm_config) else None

@@ -1,7 +1,9 @@
-"""The package logger, printed through vLLM's own handler so lines look like engine logs.
+"""The package logger: vLLM's kind (``init_logger``), printed through vLLM's own handler.
 
-vLLM configures only the ``vllm`` logger (``propagate=False``); a bare ``vllm_balance`` logger
-would lose its INFO lines in an engine process. Sharing the handler keeps one format and lets
+``init_logger`` gives it vLLM's ``warning_once`` / ``info_once``, so a warning about the config
+prints once per process however often the config is read (``vllm_balance.config``). vLLM
+configures only the ``vllm`` logger (``propagate=False``); a bare ``vllm_balance`` logger would
+lose its INFO lines in an engine process. Sharing the handler keeps one format and lets
 ``VLLM_LOGGING_LEVEL`` apply; the logger still propagates, so test log capture sees it.
 """
 
@@ -9,14 +11,12 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger("vllm_balance")
+from vllm.logger import init_logger  # configures the "vllm" logger on import
+
+logger = init_logger("vllm_balance")
 
 
 def _share_vllm_handlers() -> None:
-    try:
-        import vllm.logger  # noqa: F401  (configures the "vllm" logger on import)
-    except ImportError:
-        return
     vllm_logger = logging.getLogger("vllm")
     for handler in vllm_logger.handlers:
         if handler not in logger.handlers:
