@@ -50,7 +50,7 @@ def _additional_config(vllm_config: Any) -> dict:
 def _from_ascend_config() -> Any:
     """vllm-ascend's parsed value, or _UNSET where vllm-ascend is absent or not initialised."""
     try:
-        from vllm_ascend.ascend_config import get_ascend_config  # type: ignore[import-not-found]
+        from vllm_ascend.ascend_config import get_ascend_config  # optional: Ascend hosts only
     except ImportError:
         return _UNSET
     try:
@@ -102,7 +102,8 @@ def _from_deprecated_env() -> Any:
 
 
 def balance_enabled(vllm_config: Any) -> bool:
-    """Whether balance scheduling is requested for this config (see the module docstring)."""
+    """Whether this config enables balance scheduling (see the module docstring);
+    ``read_options``' first part."""
     value = _from_ascend_config()
     if value is not _UNSET:
         if os.environ.get(DEPRECATED_ENV_VAR) is not None:
@@ -221,6 +222,7 @@ def _seconds_or_off(vllm_config: Any, key: str, default: float, zero_means: str)
 
 
 def balance_options(vllm_config: Any) -> BalanceOptions:
+    """The tuning keys, each checked (``read_options``' second part, after the enable key)."""
     interval = _seconds_or_off(
         vllm_config, LOG_INTERVAL_KEY, DEFAULT_LOG_INTERVAL_S, "0 turns the log line off"
     )
