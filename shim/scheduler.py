@@ -34,7 +34,7 @@ except ImportError:  # a vLLM without scheduler pause states
 
 
 if TYPE_CHECKING:  # what the mixin is put in front of, so that super() calls type-check
-    _SchedulerBase = Scheduler
+    from vllm.v1.core.sched.scheduler import Scheduler as _SchedulerBase
 else:
     _SchedulerBase = object
 

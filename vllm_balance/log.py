@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import logging
 
-from vllm.logger import init_logger  # configures the "vllm" logger on import
+try:
+    from vllm.logger import init_logger  # configures the "vllm" logger on import
+except ImportError:  # a script's --help without vLLM (upstream_patch/vllm-ascend/phase2a.py)
+    init_logger = logging.getLogger
 
 logger = init_logger("vllm_balance")
 
