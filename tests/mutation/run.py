@@ -3,7 +3,7 @@
 
     python tests/mutation/run.py                    # baseline + every mutant of the active path
     python tests/mutation/run.py --mutant gate_wrong_cap --profile soak
-    python tests/mutation/run.py --write-doc        # also update the kill table in docs/testing.md
+    python tests/mutation/run.py --write-doc        # also write its column in docs/testing.md
 
 One pytest process per mutant (the mutant is applied by the ``pytest_mutant`` plugin before any
 test module is imported), on the installed vLLM: the compat path without the seam, the shim path
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -95,26 +96,18 @@ def active_path() -> str:
 
 
 def table(path: str, vllm_version: str, rows: list[dict], command: str) -> str:
+    """This run's results as a table of its own (printed; the doc gets them through write_doc)."""
     lines = [
         f"#### {path} path (vLLM {vllm_version})",
         "",
         f"`{command}`",
         "",
-        "| mutant | what is wrong | killed | killed by | s |",
-        "|---|---|---|---|---|",
+        "| mutant | what is wrong | killed | killed by |",
+        "|---|---|---|---|",
     ]
-    for row in rows:
-        name = row["mutant"]
-        wrong = "unmutated baseline (must pass)" if name == "none" else MUTANTS[name].wrong
-        if row.get("no_target"):
-            lines.append(f"| `{name}` | {wrong} | n/a: no target in this vLLM | - | - |")
-            continue
-        if name == "none":
-            verdict = "passes" if row["returncode"] == 0 else "**FAILS**"
-        else:
-            verdict = "yes" if killed(row) else "**NO**"
-        by = "<br>".join(f"`{t}`" for t in row["failed"]) or "-"
-        lines.append(f"| `{name}` | {wrong} | {verdict} | {by} | {row['seconds']:.0f} |")
+    for name, result in path_results(rows).items():
+        by = "<br>".join(f"`{t}`" for t in result["failed"]) or "-"
+        lines.append(f"| `{name}` | {wrong_of(name)} | {result['cell']} | {by} |")
     return "\n".join(lines) + "\n"
 
 
@@ -122,16 +115,90 @@ def killed(row: dict) -> bool:
     return row["returncode"] != 0 and bool(row["failed"])
 
 
-def write_doc(path: str, section: str) -> None:
-    start, end = f"<!-- kill-table:{path}:start -->", f"<!-- kill-table:{path}:end -->"
+def wrong_of(name: str) -> str:
+    return "unmutated baseline (must pass)" if name == "none" else MUTANTS[name].wrong
+
+
+def path_results(rows: list[dict]) -> dict[str, dict]:
+    """Per mutant of one run: its cell in that path's column and the tests that failed."""
+    results = {}
+    for row in rows:
+        if row.get("no_target"):
+            results[row["mutant"]] = {"cell": NO_TARGET, "failed": []}
+            continue
+        if row["mutant"] == "none":
+            verdict = "passes" if row["returncode"] == 0 else "**FAILS**"
+        else:
+            verdict = "yes" if killed(row) else "**NO**"
+        cell = f"{verdict}, {row['seconds']:.0f} s"
+        results[row["mutant"]] = {"cell": cell, "failed": row["failed"]}
+    return results
+
+
+# The doc's one kill table: a column per path, the killers of both paths in one list.
+KILL_TABLE = ("<!-- kill-table:start -->", "<!-- kill-table:end -->")
+PATHS = ("compat", "shim")
+NO_TARGET, NOT_RUN, NOT_ON_PATH = "n/a: no target in this vLLM", "not run", "-"
+HEADER = re.compile(
+    r"^\| mutant \| what is wrong \| compat \(vLLM ([^)]+)\) \| shim \(vLLM ([^)]+)\) \|"
+)
+
+
+def kill_table(versions: dict[str, str], results: dict[str, dict[str, dict]]) -> str:
+    """The doc's table from each path's results; a killer that failed on one path only names it."""
+    columns = " | ".join(f"{path} (vLLM {versions[path]})" for path in PATHS)
+    lines = [f"| mutant | what is wrong | {columns} | killed by |", "|---|---|---|---|---|"]
+    for name in ["none", *MUTANTS]:
+        cells = [column_cell(name, path, results[path]) for path in PATHS]
+        ran = [p for p in PATHS if name in results[p] and results[p][name]["cell"] != NO_TARGET]
+        failed = {path: results[path][name]["failed"] for path in ran}
+        by = []
+        for test in dict.fromkeys(t for path in ran for t in failed[path]):
+            only = [path for path in ran if test in failed[path]]
+            by.append(f"`{test}`" + ("" if len(only) == len(ran) else f" ({only[0]})"))
+        row = [f"`{name}`", wrong_of(name), *cells, "<br>".join(by) or "-"]
+        lines.append(f"| {' | '.join(row)} |")
+    return "\n".join(lines) + "\n"
+
+
+def column_cell(name: str, path: str, results: dict[str, dict]) -> str:
+    if name in results:
+        return results[name]["cell"]
+    return NOT_ON_PATH if name != "none" and path not in MUTANTS[name].paths else NOT_RUN
+
+
+def read_kill_table(text: str) -> tuple[dict[str, str], dict[str, dict[str, dict]]]:
+    """The versions and per-path results the doc's table holds (the inverse of kill_table)."""
+    section = text.split(KILL_TABLE[0], 1)[1].split(KILL_TABLE[1], 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header = HEADER.match(lines[0])
+    if header is None:
+        raise SystemExit(f"{DOC}: the kill table's header is not {PATHS}' columns")
+    versions = dict(zip(PATHS, header.groups()))
+    results: dict[str, dict[str, dict]] = {path: {} for path in PATHS}
+    for line in lines[2:]:
+        name, _wrong, *cells, by = (cell.strip() for cell in line.strip("|").split(" | "))
+        name = name.strip("`")
+        killers = [] if by == "-" else by.split("<br>")
+        for path, cell in zip(PATHS, cells):
+            if cell in (NOT_RUN, NOT_ON_PATH):
+                continue
+            failed = [k.split("`")[1] for k in killers if k.endswith(("`", f" ({path})"))]
+            results[path][name] = {"cell": cell, "failed": [] if cell == NO_TARGET else failed}
+    return versions, results
+
+
+def write_doc(path: str, vllm_version: str, rows: list[dict]) -> None:
+    """Replace ``path``'s column of the doc's kill table with this run's results."""
     text = DOC.read_text(encoding="utf-8")
-    head, found, rest = text.partition(start)
-    if not found:
-        raise SystemExit(f"{DOC}: no {start} marker")
-    _, found, tail = rest.partition(end)
-    if not found:
-        raise SystemExit(f"{DOC}: no {end} marker")
-    DOC.write_text(f"{head}{start}\n{section}{end}{tail}", encoding="utf-8")
+    head, found, rest = text.partition(KILL_TABLE[0])
+    if not found or KILL_TABLE[1] not in rest:
+        raise SystemExit(f"{DOC}: no {KILL_TABLE[0]} ... {KILL_TABLE[1]} markers")
+    tail = rest.split(KILL_TABLE[1], 1)[1]
+    versions, results = read_kill_table(text)
+    versions[path], results[path] = vllm_version, path_results(rows)
+    section = kill_table(versions, results)
+    DOC.write_text(f"{head}{KILL_TABLE[0]}\n{section}{KILL_TABLE[1]}{tail}", encoding="utf-8")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,7 +245,7 @@ def main() -> int:
     section = table(path, vllm_version, rows, command)
     print(section)
     if args.write_doc and not args.mutant:
-        write_doc(path, section)
+        write_doc(path, vllm_version, rows)
     survivors = [r["mutant"] for r in rows[1:] if not r.get("no_target") and not killed(r)]
     if survivors:
         print(f"surviving mutants: {', '.join(survivors)}")
