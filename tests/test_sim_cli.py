@@ -1,6 +1,6 @@
 """The simulator's command line as users meet it: every option explained once, every bad input
 answered with one line and exit status 2 (never a traceback), and the judgement ``advise`` and
-the operating envelope share (``vllm_balance.sim.compare``).
+the operating envelope share (``balance_sim.compare``).
 
 No test here runs a simulation: bad inputs are rejected before any scheduler is built.
 """
@@ -12,9 +12,9 @@ import json
 
 import pytest
 
-from vllm_balance.sim.__main__ import build_parser, main
-from vllm_balance.sim.compare import HELPS, HURTS, MIXED, NEUTRAL, UNCLEAR, changes, verdict
-from vllm_balance.sim.metrics import Summary
+from balance_sim.__main__ import build_parser, main
+from balance_sim.compare import HELPS, HURTS, MIXED, NEUTRAL, UNCLEAR, changes, verdict
+from balance_sim.metrics import Summary
 
 
 def all_parsers() -> list[argparse.ArgumentParser]:
@@ -135,7 +135,7 @@ def test_seeds_beyond_5_percent_on_both_sides_are_unclear_for_advise_only():
 
 
 def test_a_rate_maps_back_to_the_concurrency_it_was_made_from():
-    from vllm_balance.sim.runner import SimOptions, build_workload, concurrency_for_rate
+    from balance_sim.runner import SimOptions, build_workload, concurrency_for_rate
 
     for concurrency in (100, 256, 400):
         options = SimOptions(concurrency=concurrency)

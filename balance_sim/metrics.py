@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_balance.sim.engine import RunRecord
+from balance_sim.engine import RunRecord
 
 DIGITS = 6  # rounding for JSON: readable, and identical for identical runs
 

@@ -1,4 +1,4 @@
-"""``vllm-balance-sim`` / ``python -m vllm_balance.sim``: compare DP admission policies.
+"""``vllm-balance-sim`` / ``python -m balance_sim``: compare DP admission policies.
 
 Runs N DP ranks of the installed vLLM's real scheduler, replays one workload under each policy
 (one process per core), prints a table and writes ``sim.json`` and PNG plots to ``--out``.
@@ -7,7 +7,7 @@ Runs N DP ranks of the installed vLLM's real scheduler, replays one workload und
 
 Every bad input ends the program with one line on stderr, ``vllm-balance-sim: error: ...``,
 and exit status 2, before any simulation starts; nothing a user types reaches them as a
-traceback. ``advise`` exits with its category's status (:mod:`vllm_balance.sim.advise`).
+traceback. ``advise`` exits with its category's status (:mod:`balance_sim.advise`).
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from vllm_balance.sim.advise import CATEGORIES as ADVISE_CATEGORIES
-from vllm_balance.sim.policies import DEFAULT_POLICIES, make_policy
-from vllm_balance.sim.router import ROUTERS, STALENESS_MODES
-from vllm_balance.sim.runner import SimOptions, quiet_vllm_logs, show_balance_log_lines
-from vllm_balance.sim.stepmodel import (
+from balance_sim.advise import CATEGORIES as ADVISE_CATEGORIES
+from balance_sim.policies import DEFAULT_POLICIES, make_policy
+from balance_sim.router import ROUTERS, STALENESS_MODES
+from balance_sim.runner import SimOptions, quiet_vllm_logs, show_balance_log_lines
+from balance_sim.stepmodel import (
     StepModelError,
     StepTimeModel,
     load_step_model,
     step_model_keys,
 )
-from vllm_balance.sim.workload import LengthDist, WorkloadError
+from balance_sim.workload import LengthDist, WorkloadError
 
 DEFAULTS = SimOptions()
 PROG = "vllm-balance-sim"
@@ -359,9 +359,9 @@ def simulate(
     log_interval_s: float = 0.0,
 ):
     """Run every policy on one workload; write sim.json (+ PNGs). Returns the PolicyRuns."""
-    from vllm_balance.sim.parallel import Job, cached_workload, run_jobs
-    from vllm_balance.sim.report import format_table, write_json, write_plots
-    from vllm_balance.sim.runner import scenario_json, scenario_title
+    from balance_sim.parallel import Job, cached_workload, run_jobs
+    from balance_sim.report import format_table, write_json, write_plots
+    from balance_sim.runner import scenario_json, scenario_title
 
     for spec in options.policies:
         make_policy(spec)  # reject a bad spec before minutes of simulation
@@ -421,16 +421,16 @@ def main(argv: list[str] | None = None) -> int:
     quiet_vllm_logs()
     if getattr(args, "balance_log_interval_s", 0.0):
         show_balance_log_lines(args.balance_log_interval_s)
-    from vllm_balance.sim.parallel import available_cores
+    from balance_sim.parallel import available_cores
 
     jobs = args.jobs or available_cores()
     try:
         if args.command == "advise":
-            from vllm_balance.sim.advise import advise
+            from balance_sim.advise import advise
 
             return advise(args, options_from_args(args), jobs, given_keys)
         if args.command == "envelope":
-            from vllm_balance.sim.envelope import envelope
+            from balance_sim.envelope import envelope
 
             return envelope(args, options_from_args(args), jobs)
         return _run(args, jobs)

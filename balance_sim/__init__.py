@@ -1,0 +1,1 @@
+"""DP balance simulator (see balance_sim.__main__)."""
