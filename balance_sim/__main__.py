@@ -7,12 +7,15 @@ Runs N DP ranks of the installed vLLM's real scheduler, replays one workload und
 
 Every bad input ends the program with one line on stderr, ``vllm-balance-sim: error: ...``,
 and exit status 2, before any simulation starts; nothing a user types reaches them as a
-traceback. ``advise`` exits with its category's status (:mod:`balance_sim.advise`).
+traceback, and neither does a run on a Python without torch or vLLM (:func:`missing_runtime`).
+``advise`` exits with its category's status (:mod:`balance_sim.advise`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -402,6 +405,29 @@ def _run(args: argparse.Namespace, jobs: int) -> int:
     return 0
 
 
+# What a run imports that the standard library lacks: import name -> the name a user installs.
+RUNTIME = {"numpy": "numpy", "torch": "torch", "vllm": "vLLM"}
+
+
+def missing_runtime(argv: list[str]) -> str | None:
+    """The one line for an interpreter without numpy, torch or vLLM, else None.
+
+    ``--help`` and a bad option need neither (the lint session checks ``--help`` without vLLM);
+    a run does, and without this check it ends in a traceback about ``torch``, which says
+    nothing about where the simulator can run.
+    """
+    missing = [shown for name, shown in RUNTIME.items() if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    named = " or ".join([", ".join(missing[:-1]), missing[-1]] if missing[:-1] else missing)
+    nox_sim = shlex.join(["python3", "-m", "nox", "-s", "sim", *(["--", *argv] if argv else [])])
+    return (
+        f"{ERROR_PREFIX}no {named} in this Python ({sys.executable}): the "
+        f"simulator drives vLLM's real scheduler; run `{nox_sim}`, which installs the pinned vLLM "
+        "and CPU torch into .nox/sim (nox itself: `python3 -m pip install -r requirements/ci.txt`)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -418,6 +444,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --step-model: {exc}")
     if args.command == "envelope" and (args.trace or args.rate or args.concurrency):
         parser.error("envelope sets the load itself (--loads): drop --trace, --rate, --concurrency")
+    missing = missing_runtime(sys.argv[1:] if argv is None else argv)
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     quiet_vllm_logs()
     if getattr(args, "balance_log_interval_s", 0.0):
         show_balance_log_lines(args.balance_log_interval_s)
