@@ -33,8 +33,8 @@ TINY = SimOptions(
     output_len="uniform:2:24",
     policies=ALL_POLICIES,
     seed=7,
-    # The step model before issue 16 (every rank's work its own, the gather free): the
-    # byte-for-byte test below pins that these keys at 0 reproduce the numbers of that model.
+    # The step model before shared expert work and the gather's cost (every rank's work its own,
+    # the gather free): the byte-for-byte test below pins that these keys at 0 reproduce it.
     step_model=StepTimeModel(shared_fraction=0.0, gather_ms=0.0),
 )
 

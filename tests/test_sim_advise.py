@@ -1,4 +1,4 @@
-"""``vllm-balance-sim advise``: an answer an operator can trust (issue 34).
+"""``vllm-balance-sim advise``: an answer an operator can trust.
 
 Each answer is one category with its own exit status, refusals are decided before any run, and
 every verdict states what it rests on: the gate's frozen share (and what a never-frozen gate
