@@ -168,7 +168,7 @@ def smoke(session: nox.Session) -> None:
 def sim(session: nox.Session) -> None:
     """The main job: the DP balance simulator on the release-tag vLLM (args after --)."""
     install_pinned_vllm(session, os.environ.get("VLLM_BALANCE_PIN", "release-tag"))
-    session.run("python", "-m", "vllm_balance.sim", *session.posargs)
+    session.run("python", "-m", "balance_sim", *session.posargs)
 
 
 def _bench_session(seam: bool, doc: str):

@@ -107,7 +107,7 @@ CPU_SHARE_LIMIT = 0.25
 def per_rank_model(scale: float) -> dict:
     """The simulator's default step model, every time term times ``scale``; the gather is not
     emulated (the real one runs) and ``shared_fraction`` stays 0 (``device_time``)."""
-    from vllm_balance.sim.stepmodel import StepTimeModel
+    from balance_sim.stepmodel import StepTimeModel
 
     default = StepTimeModel()
     keys = ("fixed_ms", "per_prefill_token_ms", "per_decode_request_ms", "per_kv_token_ms")
@@ -116,8 +116,8 @@ def per_rank_model(scale: float) -> dict:
 
 def sim_options(dp: int, model: dict, load: float):
     """The simulator's scenario at ``load`` x its knee: ``load x dp x max_num_seqs`` in flight."""
-    from vllm_balance.sim.runner import SimOptions
-    from vllm_balance.sim.stepmodel import StepTimeModel
+    from balance_sim.runner import SimOptions
+    from balance_sim.stepmodel import StepTimeModel
 
     return SimOptions(
         dp_size=dp,
@@ -132,7 +132,7 @@ def sim_options(dp: int, model: dict, load: float):
 
 def rate_at(dp: int, model: dict, load: float) -> float:
     """The arrival rate of ``load`` x the knee (envelope's definition: runner.build_workload)."""
-    from vllm_balance.sim.runner import build_workload
+    from balance_sim.runner import build_workload
 
     return round(build_workload(sim_options(dp, model, load)).rate_per_s, 3)
 
@@ -141,8 +141,8 @@ def uniform_model(dp: int, model: dict) -> dict:
     """The negative control's device: ``model``'s estimated step at the knee (the calibrated
     model: what a step of the per-rank device costs there, host work included), the same for
     every rank and every step, whatever it runs."""
-    from vllm_balance.sim.runner import estimated_step_s
-    from vllm_balance.sim.workload import LengthDist
+    from balance_sim.runner import estimated_step_s
+    from balance_sim.workload import LengthDist
 
     options = sim_options(dp, model, 1.0)
     step_s = estimated_step_s(
@@ -334,8 +334,8 @@ def overrun(steps: list[dict]) -> float | None:
 
 def run_observations(out: Path, runs: list[dict]) -> None:
     """Each run's headroom, frozen share, rank imbalance and overrun from the step records."""
+    from balance_sim.metrics import balance_ratio
     from benchmarks.serve_report import cluster_steps, in_run, load_steps
-    from vllm_balance.sim.metrics import balance_ratio
 
     for label in sorted({run["server"] for run in runs}):
         records = load_steps(out, label)
@@ -478,8 +478,8 @@ def measured_verdict(runs: list[dict], policy: str, base: str, rate: str) -> dic
     straddle zero unclear), with the measured repeats as its seeds (repeat i vs repeat i)."""
     from types import SimpleNamespace
 
-    from vllm_balance.sim.advise import OF_VERDICT, judge
-    from vllm_balance.sim.compare import changes
+    from balance_sim.advise import OF_VERDICT, judge
+    from balance_sim.compare import changes
 
     def summaries(name: str) -> dict[int, SimpleNamespace]:
         chosen = [r for r in runs if r["policy"] == name and f"{r['rate']:g}" == rate]
@@ -508,7 +508,7 @@ def measured_verdict(runs: list[dict], policy: str, base: str, rate: str) -> dic
 def advise_verdict(dp: int, rate: float, model: dict, out: Path, requests: int) -> dict:
     """``vllm-balance-sim advise`` on the measured scenario (DP, cap, lengths, rate, the fitted
     step model with ``shared_fraction`` 0, which the emulation makes exact): its category."""
-    from vllm_balance.sim.advise import CATEGORIES
+    from balance_sim.advise import CATEGORIES
 
     keys = ("fixed_ms", "per_prefill_token_ms", "per_decode_request_ms", "per_kv_token_ms",
             "gather_ms")  # fmt: skip
@@ -517,7 +517,7 @@ def advise_verdict(dp: int, rate: float, model: dict, out: Path, requests: int) 
         json.dumps({k: model[k] for k in keys if k in model} | {"shared_fraction": 0.0}) + "\n"
     )
     command = [
-        sys.executable, "-m", "vllm_balance.sim", "advise", "--dp", str(dp),
+        sys.executable, "-m", "balance_sim", "advise", "--dp", str(dp),
         "--max-num-seqs", str(MAX_NUM_SEQS), "--rate", str(rate),
         "--prompt-len", PROMPT_LEN, "--output-len", OUTPUT_LEN,
         "--num-requests", str(requests), "--step-model", str(model_file),
@@ -721,7 +721,7 @@ def cdf(values: list[float]) -> tuple[list[float], list[float]]:
 def write_plot(path: Path, out: Path, runs: list[dict], results: dict) -> None:
     """TTFT CDFs, measured (pooled over the valid repeats) and simulated, per DP size (rows) and
     scenario (columns: the per-rank device at each control load, and the uniform control)."""
-    from vllm_balance.sim.report import _pyplot
+    from balance_sim.report import _pyplot
 
     plt = _pyplot()
     valid = valid_runs(runs)

@@ -150,7 +150,7 @@ def child(dp_sizes: list[int], reps: int, labels_file: str, metrics_only: bool) 
     from vllm.utils.network_utils import get_open_port
 
     import vllm_balance
-    from vllm_balance.sim.builders import make_scheduler, make_vllm_config
+    from balance_sim.builders import make_scheduler, make_vllm_config
 
     metrics = _metrics_regions()
     gatherer = None

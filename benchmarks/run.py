@@ -245,8 +245,8 @@ def bench_sim(dp_sizes: tuple[int, ...] = DP_SIZES) -> list[dict]:
     (what DP costs, independent of other load on the machine); per DP: the wall time of the
     serial and the parallel pass (what --jobs buys on this machine at this moment).
     """
-    from vllm_balance.sim.parallel import Job, available_cores, run_jobs
-    from vllm_balance.sim.runner import SimOptions
+    from balance_sim.parallel import Job, available_cores, run_jobs
+    from balance_sim.runner import SimOptions
 
     processes = min(available_cores(), len(SIM_POLICIES))
     rows = []

@@ -310,7 +310,7 @@ def simulate(
         trace.write_text("\n".join(lines) + "\n")
         sim_out = sim_dir / f"r{rate:g}"
         command = [
-            sys.executable, "-m", "vllm_balance.sim", "--dp", str(dp),
+            sys.executable, "-m", "balance_sim", "--dp", str(dp),
             "--max-num-seqs", str(max_num_seqs), "--trace", str(trace),
             "--policies", ",".join(policies), "--step-model", str(model_file),
             "--seed", str(seed), "--out", str(sim_out), "--no-plots", "--no-progress",
@@ -370,7 +370,7 @@ def agreement(table: dict, simulated: dict) -> dict:
 
 # ------------------------------------------------------------------------ writing
 def write_plot(path: Path, table: dict, simulated: dict) -> None:
-    from vllm_balance.sim.report import _pyplot
+    from balance_sim.report import _pyplot
 
     plt = _pyplot()
     panels = [("tok_s", "output tok/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),

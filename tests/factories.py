@@ -1,7 +1,7 @@
 """Test support: real vLLM objects, stepped and compared (as vLLM's tests/v1/core/utils.py).
 
 The objects themselves (``VllmConfig``, ``Scheduler``, ``Request``, the fabricated
-``ModelRunnerOutput``) come from :mod:`vllm_balance.sim.builders`, which the simulator runs on;
+``ModelRunnerOutput``) come from :mod:`balance_sim.builders`, which the simulator runs on;
 this module adds what only tests need: request batches, stepping a scheduler to completion and
 a comparable rendering of its outputs.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from vllm_balance.sim.builders import (  # noqa: F401  (re-exported: tests import them from here)
+from balance_sim.builders import (  # noqa: F401  (re-exported: tests import them from here)
     BLOCK_SIZE,
     RequestSpec,
     block_hasher,

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from vllm_balance_e2e_plugins import device_time
 
+from balance_sim.stepmodel import StepModelError, StepTimeModel
 from benchmarks.emulated import CPU_SHARE_LIMIT, headroom, valid_runs
-from vllm_balance.sim.stepmodel import StepModelError, StepTimeModel
 
 MODEL = StepTimeModel(
     fixed_ms=100.0, per_prefill_token_ms=0.55, per_decode_request_ms=1.55, per_kv_token_ms=0.01
@@ -26,7 +26,7 @@ def stepped_outputs():
     prefills (the token budget is smaller than a prompt), decodes beside them, finishes."""
     from factories import add_requests, make_requests, make_scheduler, model_runner_output
 
-    from vllm_balance.sim.engine import _rank_work
+    from balance_sim.engine import _rank_work
 
     scheduler = make_scheduler(max_num_seqs=4, max_num_batched_tokens=64)
     outputs = []

@@ -12,8 +12,8 @@ import random
 
 import pytest
 
+from balance_sim.stepmodel import RankWork, StepTimeModel
 from benchmarks.serve_report import IDLE_GAP_MS, cluster_steps, fit_step_model
-from vllm_balance.sim.stepmodel import RankWork, StepTimeModel
 
 TRUE = StepTimeModel(fixed_ms=20.0, per_prefill_token_ms=0.3, per_decode_request_ms=2.0)
 OVERHEAD_MS = 1.5  # outside _process_engine_step(): the all-reduce, the gather, bookkeeping

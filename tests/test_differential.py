@@ -14,6 +14,7 @@ from hypothesis import Phase, given, settings
 from lockstep import Gathered, Req, Workload
 
 import vllm_balance
+from balance_sim.policies import leader_within_one_of_cap
 
 # Paths a gate-open run must reach somewhere in the generated examples.
 GATE_OPEN_REACHES = {
@@ -62,12 +63,7 @@ def test_contract4_disabled_equals_upstream_allocates_nothing_never_gathers():
 def test_a_divergence_reports_the_minimal_workload_and_first_differing_field(monkeypatch):
     # The shipped-and-reverted cap-1 gate, pointed at the gate-open property: it must fail,
     # and the report must be readable: the shrunk workload and the first differing field path.
-    scheduler_cls = vllm_balance.BalanceScheduler
-
-    def leader_at_cap_minus_one(self) -> bool:
-        return max(int(t.item()) for t in self.balance_queue) >= self.max_num_running_reqs - 1
-
-    monkeypatch.setattr(scheduler_cls, "leader_at_cap", leader_at_cap_minus_one)
+    monkeypatch.setattr(vllm_balance.BalanceScheduler, "leader_at_cap", leader_within_one_of_cap)
 
     @settings(property_settings(max_examples=60), phases=[Phase.generate, Phase.shrink])
     @given(workload=workloads(at_cap=False))

@@ -1,6 +1,6 @@
 """The repository rules that protect the product: shim/ stands without compat/ (also
-tests/test_without_compat.py), feature detection rather than version strings, no vLLM source
-text. Each test names the rule it keeps."""
+tests/test_without_compat.py), the product never imports the simulator, feature detection rather
+than version strings, no vLLM source text. Each test names the rule it keeps."""
 
 from __future__ import annotations
 
@@ -18,6 +18,18 @@ def test_shim_never_mentions_compat():
         str(path.relative_to(ROOT))
         for path in (ROOT / "shim").rglob("*.py")
         if re.search(r"\bcompat\b", path.read_text(), re.IGNORECASE)
+    ]
+    assert offenders == []
+
+
+def test_the_product_never_imports_the_simulator():
+    """balance_sim/ drives the product's scheduler classes, never the reverse: the product
+    (vllm_balance/, shim/, compat/) names no simulator module, by import or by string."""
+    offenders = [
+        str(path.relative_to(ROOT))
+        for folder in ("vllm_balance", "shim", "compat")
+        for path in (ROOT / folder).rglob("*.py")
+        if re.search(r"\bbalance_sim\b", path.read_text())
     ]
     assert offenders == []
 

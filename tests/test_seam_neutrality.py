@@ -234,7 +234,7 @@ def admitted_with_one_arrival_per_step(scheduler_cls: type, cadence: str, steps:
     """Requests admitted in ``steps`` steps, one arriving before each, prefill every 2nd step:
     vLLM's own cadence at DP = 1 (``prefill_schedule_interval``, 0.33+), or the DP engine core's
     (``throttle_prefills`` on off-cadence steps, every release)."""
-    import vllm_balance.sim.builders as builders
+    import balance_sim.builders as builders
 
     config = builders.make_vllm_config(moe=False, max_num_seqs=64)
     if cadence == "local":

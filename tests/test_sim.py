@@ -17,9 +17,9 @@ import json
 
 import pytest
 
-from vllm_balance.sim.runner import SimOptions, build_workload, run_policy
-from vllm_balance.sim.stepmodel import RankWork, StepTimeModel
-from vllm_balance.sim.workload import Arrival, TraceError, load_trace
+from balance_sim.runner import SimOptions, build_workload, run_policy
+from balance_sim.stepmodel import RankWork, StepTimeModel
+from balance_sim.workload import Arrival, TraceError, load_trace
 
 ALL_POLICIES = ("off", "on", "cap-1", "vllm-cadence:2", "trtllm-adp:50:10", "bounded-hold:3")
 
@@ -33,8 +33,8 @@ TINY = SimOptions(
     output_len="uniform:2:24",
     policies=ALL_POLICIES,
     seed=7,
-    # The step model before issue 16 (every rank's work its own, the gather free): the
-    # byte-for-byte test below pins that these keys at 0 reproduce the numbers of that model.
+    # The step model before shared expert work and the gather's cost (every rank's work its own,
+    # the gather free): the byte-for-byte test below pins that these keys at 0 reproduce it.
     step_model=StepTimeModel(shared_fraction=0.0, gather_ms=0.0),
 )
 
@@ -53,7 +53,7 @@ def tiny_workload():
 
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory):
-    from vllm_balance.sim.__main__ import simulate
+    from balance_sim.__main__ import simulate
 
     out = tmp_path_factory.mktemp("sim")
     runs = simulate(TINY, out, plots=True, progress=False)
@@ -61,7 +61,7 @@ def tiny_runs(tmp_path_factory):
 
 
 def test_same_seed_gives_byte_identical_json(tiny_runs, tmp_path):
-    from vllm_balance.sim.__main__ import simulate
+    from balance_sim.__main__ import simulate
 
     first_dir, _ = tiny_runs
     simulate(TINY, tmp_path, plots=False, progress=False)
@@ -76,7 +76,7 @@ def test_shared_fraction_0_and_free_gather_reproduce_the_earlier_numbers_byte_fo
 
 
 def test_runs_in_parallel_processes_give_the_same_json_as_in_this_process(tiny_runs, tmp_path):
-    from vllm_balance.sim.__main__ import simulate
+    from balance_sim.__main__ import simulate
 
     first_dir, _ = tiny_runs
     two = dataclasses.replace(TINY, policies=("off", "on"))
@@ -102,7 +102,7 @@ def test_every_policy_completes_every_request(tiny_runs):
 def test_pngs_open_and_the_running_plot_has_one_line_per_rank(tiny_runs):
     from PIL import Image
 
-    from vllm_balance.sim.report import running_figure
+    from balance_sim.report import running_figure
 
     out, runs = tiny_runs
     for name in ("running_per_rank.png", "ttft_cdf.png", "tpot_cdf.png"):
@@ -147,7 +147,7 @@ def test_bad_trace_line_errors(tmp_path, line, expected):
 
 
 def test_cli_reports_a_bad_trace_without_traceback(tmp_path, capsys):
-    from vllm_balance.sim.__main__ import main
+    from balance_sim.__main__ import main
 
     trace = tmp_path / "bad.jsonl"
     trace.write_text('{"arrival_time": 0, "prompt_len": 0, "output_len": 1}\n')
@@ -223,7 +223,7 @@ def test_product_counters_match_the_simulators_accounting(tiny_runs, policy):
 
 
 def _record_with(arrivals_s, first_tokens_s):
-    from vllm_balance.sim.engine import RequestRecord, RunRecord, StepLog
+    from balance_sim.engine import RequestRecord, RunRecord, StepLog
 
     requests = {
         f"r{i}": RequestRecord(0, arrival, 1, first, first, 1, True)
@@ -233,7 +233,7 @@ def _record_with(arrivals_s, first_tokens_s):
 
 
 def test_queue_growth_is_the_part_of_the_second_halfs_arrivals_left_queued():
-    from vllm_balance.sim.metrics import queue_growth
+    from balance_sim.metrics import queue_growth
 
     arrivals = [float(i) for i in range(100)]
     # Served 0.5 s after arriving: the backlog never grows.
@@ -244,8 +244,8 @@ def test_queue_growth_is_the_part_of_the_second_halfs_arrivals_left_queued():
 
 def test_an_overloaded_run_grows_its_queue_and_fills_a_rank(tiny_runs):
     """TINY arrives at 400 req/s, far beyond what 4 ranks x 4 seats serve."""
-    from vllm_balance.sim.advise import QUEUE_GROWTH
-    from vllm_balance.sim.metrics import fullest_rank, queue_growth
+    from balance_sim.advise import QUEUE_GROWTH
+    from balance_sim.metrics import fullest_rank, queue_growth
 
     _, runs = tiny_runs
     off = next(run for run in runs if run.summary.policy == "off")
@@ -274,10 +274,10 @@ def test_shared_fraction_moves_a_bursts_share_from_its_rank_to_all_ranks():
 
 def _simultaneous_run(policy: str, gather_ms: float, gather_hop_us: float = 0.0, dp: int = 2):
     """A DP cluster where every request arrives at t=0: decisions cannot depend on time."""
-    from vllm_balance.sim.engine import Cluster
-    from vllm_balance.sim.policies import make_policy
-    from vllm_balance.sim.router import make_router
-    from vllm_balance.sim.runner import cluster_config
+    from balance_sim.engine import Cluster
+    from balance_sim.policies import make_policy
+    from balance_sim.router import make_router
+    from balance_sim.runner import cluster_config
 
     options = dataclasses.replace(TINY, dp_size=dp, max_num_seqs=2)
     arrivals = [Arrival(i, 0.0, 40, 5) for i in range(4 * dp)]
@@ -310,7 +310,7 @@ def test_gather_cost_is_the_fixed_part_plus_one_hop_per_ring_step():
 def test_recursive_doubling_gather_costs_its_log_depth_hops():
     """balance_collective=recursive_doubling: log2 of the power-of-two core, +2 to fold extras in
     (not ceil(log2 DP): DP=3 is 3 hops, one more than the ring's 2)."""
-    from vllm_balance.sim.stepmodel import recursive_doubling_hops
+    from balance_sim.stepmodel import recursive_doubling_hops
 
     dps = (2, 3, 4, 5, 6, 8, 9, 32, 64, 100, 128, 256)
     assert [recursive_doubling_hops(dp) for dp in dps] == [1, 3, 2, 4, 4, 3, 5, 5, 6, 8, 7, 8]
@@ -319,7 +319,7 @@ def test_recursive_doubling_gather_costs_its_log_depth_hops():
 
 
 def test_step_model_file_names_the_gather_collective(tmp_path):
-    from vllm_balance.sim.stepmodel import StepModelError, load_step_model
+    from balance_sim.stepmodel import StepModelError, load_step_model
 
     path = tmp_path / "model.json"
     path.write_text('{"gather_hop_us": 50, "gather_collective": "recursive_doubling"}')
@@ -340,7 +340,7 @@ def test_the_gather_costs_dp_minus_1_hops_per_step_only_where_balance_gathers(po
 
 
 def test_sim_json_names_gather_hop_us_only_when_it_is_set(tiny_workload):
-    from vllm_balance.sim.runner import scenario_json
+    from balance_sim.runner import scenario_json
 
     unset = scenario_json(TINY, tiny_workload, import_vllm=False)["step_model"]
     hop = dataclasses.replace(TINY, step_model=StepTimeModel(gather_hop_us=30.0))
@@ -384,7 +384,7 @@ def test_with_expert_work_fully_shared_the_gate_delays_first_tokens_at_high_load
 def test_inflight_floor_router_is_vllm_0_27s_balancer():
     """vLLM >= 0.27 scores max(in-flight, snapshot waiting + running), a waiting request weighing
     as one running (0.26 and before: waiting * 4 + running), and rotates the scan's start."""
-    from vllm_balance.sim.router import make_router
+    from balance_sim.router import make_router
 
     new = make_router("inflight-floor", 2, "stale+bump", 0.1)
     old = make_router("least-loaded", 2, "fresh", 0.1)
@@ -394,7 +394,7 @@ def test_inflight_floor_router_is_vllm_0_27s_balancer():
 
 
 def test_inflight_floor_router_counts_the_live_floor_the_bump_and_rotates_ties():
-    from vllm_balance.sim.router import make_router
+    from balance_sim.router import make_router
 
     router = make_router("inflight-floor", 4, "stale+bump", 0.1)  # the snapshot: all idle
     live = [(0, 3), (0, 0), (0, 1), (0, 0)]

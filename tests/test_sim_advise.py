@@ -1,4 +1,4 @@
-"""``vllm-balance-sim advise``: an answer an operator can trust (issue 34).
+"""``vllm-balance-sim advise``: an answer an operator can trust.
 
 Each answer is one category with its own exit status, refusals are decided before any run, and
 every verdict states what it rests on: the gate's frozen share (and what a never-frozen gate
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_balance.sim.__main__ import main
-from vllm_balance.sim.advise import (
+from balance_sim.__main__ import main
+from balance_sim.advise import (
     CATEGORIES,
     DEPENDS,
     DO_NOT_ENABLE,
@@ -35,10 +35,10 @@ from vllm_balance.sim.advise import (
     refusals,
     sensitivity_variants,
 )
-from vllm_balance.sim.compare import changes
-from vllm_balance.sim.metrics import Summary
-from vllm_balance.sim.runner import SimOptions
-from vllm_balance.sim.stepmodel import StepTimeModel
+from balance_sim.compare import changes
+from balance_sim.metrics import Summary
+from balance_sim.runner import SimOptions
+from balance_sim.stepmodel import StepTimeModel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,7 +110,7 @@ def no_simulation(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("advise simulated before refusing")
 
-    monkeypatch.setattr("vllm_balance.sim.advise.run_jobs", refuse)
+    monkeypatch.setattr("balance_sim.advise.run_jobs", refuse)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """The simulator's command line as users meet it: every option explained once, every bad input
 answered with one line and exit status 2 (never a traceback), and the judgement ``advise`` and
-the operating envelope share (``vllm_balance.sim.compare``).
+the operating envelope share (``balance_sim.compare``).
 
 No test here runs a simulation: bad inputs are rejected before any scheduler is built.
 """
@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from vllm_balance.sim.__main__ import build_parser, main
-from vllm_balance.sim.compare import HELPS, HURTS, MIXED, NEUTRAL, UNCLEAR, changes, verdict
-from vllm_balance.sim.metrics import Summary
+from balance_sim.__main__ import build_parser, main
+from balance_sim.compare import HELPS, HURTS, MIXED, NEUTRAL, UNCLEAR, changes, verdict
+from balance_sim.metrics import Summary
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def all_parsers() -> list[argparse.ArgumentParser]:
@@ -44,7 +50,7 @@ def _error_of(argv: list[str], capsys) -> str:
     assert status == 2, (status, captured.err)
     lines = captured.err.splitlines()
     assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
-    # One prefix for every command's errors, the program's name (issue 34).
+    # One prefix for every command's errors, the program's name.
     assert lines[0].startswith("vllm-balance-sim: error: "), lines[0]
     return lines[0]
 
@@ -53,6 +59,34 @@ def _step_model(tmp_path, content: dict) -> str:
     path = tmp_path / "model.json"
     path.write_text(json.dumps(content))
     return str(path)
+
+
+def _sim_without_site_packages(*args: str) -> subprocess.CompletedProcess:
+    """``python -S -m balance_sim ARGS`` from the checkout: this venv's interpreter without its
+    site-packages, a real Python that has the standard library and the checkout, no torch and
+    no vLLM (a user's system python3 as the simulator meets it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    command = [sys.executable, "-S", "-m", "balance_sim", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_without_torch_a_run_is_one_line_naming_the_nox_session_and_exit_2():
+    lacking = subprocess.run([sys.executable, "-S", "-c", "import torch"], capture_output=True)
+    assert lacking.returncode != 0, "python -S imports torch here: the test would prove nothing"
+
+    done = _sim_without_site_packages("--dp", "4")
+
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+    line = done.stderr.strip()
+    assert line.startswith("vllm-balance-sim: error: no numpy, torch or vLLM in this Python"), line
+    assert "`python3 -m nox -s sim -- --dp 4`" in line, line
+
+
+def test_without_torch_help_and_a_bad_option_still_answer():
+    assert "usage: vllm-balance-sim" in _sim_without_site_packages("--help").stdout
+    done = _sim_without_site_packages("--dps", "4")
+    assert done.returncode == 2 and "unrecognized arguments: --dps" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(
@@ -135,7 +169,7 @@ def test_seeds_beyond_5_percent_on_both_sides_are_unclear_for_advise_only():
 
 
 def test_a_rate_maps_back_to_the_concurrency_it_was_made_from():
-    from vllm_balance.sim.runner import SimOptions, build_workload, concurrency_for_rate
+    from balance_sim.runner import SimOptions, build_workload, concurrency_for_rate
 
     for concurrency in (100, 256, 400):
         options = SimOptions(concurrency=concurrency)

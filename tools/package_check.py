@@ -5,7 +5,9 @@
 1. The ``ascend`` extra pins nothing that conflicts with a vllm-ascend release's own pins: for
    every requirement of the extra that the release also names, the release's pinned version must
    satisfy ours (read from the sdist's ``PKG-INFO``: its ``Requires-Dist``).
-2. Installed from the wheel (this interpreter's environment), vLLM's own
+2. The wheel holds two top-level packages: the product ``vllm_balance`` and the simulator
+   ``balance_sim``.
+3. Installed from the wheel (this interpreter's environment), vLLM's own
    ``load_general_plugins()`` finds the entry point and the plugin installs its
    ``run_engine_core`` wrapper; a DP=2 MoE config with the key activates balance scheduling.
 """
@@ -25,6 +27,15 @@ def wheel_metadata(wheel: Path):
     with zipfile.ZipFile(wheel) as archive:
         [name] = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
         return Parser().parsestr(archive.read(name).decode())
+
+
+# The product and, beside it, the simulator that drives it (never inside it).
+TOP_LEVEL_PACKAGES = {"vllm_balance", "balance_sim"}
+
+
+def top_level_packages(wheel: Path) -> set[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        return {name.split("/")[0] for name in archive.namelist() if name.endswith(".py")}
 
 
 def sdist_metadata(sdist: Path):
@@ -79,6 +90,11 @@ def main() -> int:
 
     installed = Path(vllm_balance.__file__).resolve()
     assert "site-packages" in installed.parts, f"not the installed wheel: {installed}"
+    packages = top_level_packages(wheel)
+    if packages != TOP_LEVEL_PACKAGES:
+        print(f"the wheel holds {sorted(packages)}, expected {sorted(TOP_LEVEL_PACKAGES)}")
+        return 1
+    print(f"wheel packages: {', '.join(sorted(packages))}")
     for sdist in sdists:
         conflicts = extra_conflicts(wheel, sdist)
         if conflicts:

@@ -51,7 +51,9 @@ def _gathered_max(scheduler) -> int:
 
 
 def gate_ge_cap_minus_1() -> None:
-    _mixin().leader_at_cap = lambda self: _gathered_max(self) >= self.max_num_running_reqs - 1
+    from balance_sim.policies import leader_within_one_of_cap  # the simulator's own cap-1
+
+    _mixin().leader_at_cap = leader_within_one_of_cap
 
 
 def gate_wrong_cap() -> None:

@@ -1,7 +1,7 @@
 """Device-time emulation: each DP rank's forward takes the accelerator time of its own batch.
 
 For ``nox -s bench-emulated`` (issue 33). When ``VLLM_BALANCE_E2E_DEVICE_MODEL`` names a
-step-model file (the simulator's keys: ``vllm_balance.sim.stepmodel``), every engine core's
+step-model file (the simulator's keys: ``balance_sim.stepmodel``), every engine core's
 worker sleeps, before each forward, the time that model gives for the batch this rank runs:
 ``fixed_ms + per_prefill_token_ms * prefill tokens + per_decode_request_ms * decode requests +
 per_kv_token_ms * their context tokens`` (``StepTimeModel.rank_time_ms``, the simulator's own
@@ -52,7 +52,7 @@ _installed: list = []
 
 def load_device_model(path):
     """The step model from ``path``; refused where one rank cannot compute its own time."""
-    from vllm_balance.sim.stepmodel import StepModelError, load_step_model
+    from balance_sim.stepmodel import StepModelError, load_step_model
 
     model = load_step_model(path)
     if model.shared_fraction:

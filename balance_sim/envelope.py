@@ -17,10 +17,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from vllm_balance.sim.compare import Change, changes, verdict
-from vllm_balance.sim.metrics import Summary
-from vllm_balance.sim.parallel import Job, cached_workload, run_jobs
-from vllm_balance.sim.runner import SimOptions, scenario_json
+from balance_sim.compare import Change, changes, verdict
+from balance_sim.metrics import Summary
+from balance_sim.parallel import Job, cached_workload, run_jobs
+from balance_sim.runner import SimOptions, scenario_json
 
 SYMBOL = {"helps": "+", "hurts": "-", "neutral": "=", "mixed": "±", "unclear": "?"}
 

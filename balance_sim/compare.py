@@ -69,7 +69,7 @@ class Change:
     def straddles(self) -> bool:
         """Some seed better and some seed worse, each by more than NEUTRAL_PCT, whatever the
         mean: the seeds do not agree on the sign, so a small mean is no evidence of "no
-        difference" (the DP=2 calibrated case of issue 34: mean +1%, seeds -12..+27%)."""
+        difference" (a calibrated DP=2 case: mean +1%, seeds -12..+27%)."""
         return self.low < -NEUTRAL_PCT and self.high > NEUTRAL_PCT
 
     def text(self) -> str:

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_balance.sim.policies import DEFAULT_POLICIES, make_policy
-from vllm_balance.sim.router import make_router
-from vllm_balance.sim.stepmodel import StepTimeModel
-from vllm_balance.sim.workload import (
+from balance_sim.policies import DEFAULT_POLICIES, make_policy
+from balance_sim.router import make_router
+from balance_sim.stepmodel import StepTimeModel
+from balance_sim.workload import (
     Arrival,
     LengthDist,
     generate_arrivals,
@@ -147,8 +147,8 @@ def build_workload(options: SimOptions) -> Workload:
 
 
 def cluster_config(options: SimOptions, arrivals: Sequence[Arrival]):
-    from vllm_balance.sim.builders import BLOCK_SIZE
-    from vllm_balance.sim.engine import ClusterConfig
+    from balance_sim.builders import BLOCK_SIZE
+    from balance_sim.engine import ClusterConfig
 
     longest = max(a.prompt_len + a.output_len for a in arrivals)
     max_model_len = -(-longest // BLOCK_SIZE) * BLOCK_SIZE
@@ -198,8 +198,8 @@ def run_policy(
     workload: Workload,
     on_step: Callable[[Any], None] | None = None,
 ) -> PolicyRun:
-    from vllm_balance.sim.engine import Cluster
-    from vllm_balance.sim.metrics import summarize
+    from balance_sim.engine import Cluster
+    from balance_sim.metrics import summarize
 
     router = make_router(
         options.router, options.dp_size, options.staleness, options.snapshot_interval_ms / 1000.0
@@ -249,7 +249,7 @@ def show_balance_log_lines(interval_s: float) -> None:
     """Let the product's periodic per-rank log line through (wall-clock, not in the JSON)."""
     import logging
 
-    from vllm_balance.sim.policies import Policy
+    from balance_sim.policies import Policy
 
     Policy.log_interval_s = interval_s
     # vLLM's handler filters at VLLM_LOGGING_LEVEL (quieted to WARNING above): give the

@@ -1,4 +1,4 @@
-"""``vllm-balance-sim`` / ``python -m vllm_balance.sim``: compare DP admission policies.
+"""``vllm-balance-sim`` / ``python -m balance_sim``: compare DP admission policies.
 
 Runs N DP ranks of the installed vLLM's real scheduler, replays one workload under each policy
 (one process per core), prints a table and writes ``sim.json`` and PNG plots to ``--out``.
@@ -7,28 +7,31 @@ Runs N DP ranks of the installed vLLM's real scheduler, replays one workload und
 
 Every bad input ends the program with one line on stderr, ``vllm-balance-sim: error: ...``,
 and exit status 2, before any simulation starts; nothing a user types reaches them as a
-traceback. ``advise`` exits with its category's status (:mod:`vllm_balance.sim.advise`).
+traceback, and neither does a run on a Python without torch or vLLM (:func:`missing_runtime`).
+``advise`` exits with its category's status (:mod:`balance_sim.advise`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import shlex
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from vllm_balance.sim.advise import CATEGORIES as ADVISE_CATEGORIES
-from vllm_balance.sim.policies import DEFAULT_POLICIES, make_policy
-from vllm_balance.sim.router import ROUTERS, STALENESS_MODES
-from vllm_balance.sim.runner import SimOptions, quiet_vllm_logs, show_balance_log_lines
-from vllm_balance.sim.stepmodel import (
+from balance_sim.advise import CATEGORIES as ADVISE_CATEGORIES
+from balance_sim.policies import DEFAULT_POLICIES, make_policy
+from balance_sim.router import ROUTERS, STALENESS_MODES
+from balance_sim.runner import SimOptions, quiet_vllm_logs, show_balance_log_lines
+from balance_sim.stepmodel import (
     StepModelError,
     StepTimeModel,
     load_step_model,
     step_model_keys,
 )
-from vllm_balance.sim.workload import LengthDist, WorkloadError
+from balance_sim.workload import LengthDist, WorkloadError
 
 DEFAULTS = SimOptions()
 PROG = "vllm-balance-sim"
@@ -359,9 +362,9 @@ def simulate(
     log_interval_s: float = 0.0,
 ):
     """Run every policy on one workload; write sim.json (+ PNGs). Returns the PolicyRuns."""
-    from vllm_balance.sim.parallel import Job, cached_workload, run_jobs
-    from vllm_balance.sim.report import format_table, write_json, write_plots
-    from vllm_balance.sim.runner import scenario_json, scenario_title
+    from balance_sim.parallel import Job, cached_workload, run_jobs
+    from balance_sim.report import format_table, write_json, write_plots
+    from balance_sim.runner import scenario_json, scenario_title
 
     for spec in options.policies:
         make_policy(spec)  # reject a bad spec before minutes of simulation
@@ -402,6 +405,29 @@ def _run(args: argparse.Namespace, jobs: int) -> int:
     return 0
 
 
+# What a run imports that the standard library lacks: import name -> the name a user installs.
+RUNTIME = {"numpy": "numpy", "torch": "torch", "vllm": "vLLM"}
+
+
+def missing_runtime(argv: list[str]) -> str | None:
+    """The one line for an interpreter without numpy, torch or vLLM, else None.
+
+    ``--help`` and a bad option need neither (the lint session checks ``--help`` without vLLM);
+    a run does, and without this check it ends in a traceback about ``torch``, which says
+    nothing about where the simulator can run.
+    """
+    missing = [shown for name, shown in RUNTIME.items() if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    named = " or ".join([", ".join(missing[:-1]), missing[-1]] if missing[:-1] else missing)
+    nox_sim = shlex.join(["python3", "-m", "nox", "-s", "sim", *(["--", *argv] if argv else [])])
+    return (
+        f"{ERROR_PREFIX}no {named} in this Python ({sys.executable}): the "
+        f"simulator drives vLLM's real scheduler; run `{nox_sim}`, which installs the pinned vLLM "
+        "and CPU torch into .nox/sim (nox itself: `python3 -m pip install -r requirements/ci.txt`)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -418,19 +444,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --step-model: {exc}")
     if args.command == "envelope" and (args.trace or args.rate or args.concurrency):
         parser.error("envelope sets the load itself (--loads): drop --trace, --rate, --concurrency")
+    missing = missing_runtime(sys.argv[1:] if argv is None else argv)
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     quiet_vllm_logs()
     if getattr(args, "balance_log_interval_s", 0.0):
         show_balance_log_lines(args.balance_log_interval_s)
-    from vllm_balance.sim.parallel import available_cores
+    from balance_sim.parallel import available_cores
 
     jobs = args.jobs or available_cores()
     try:
         if args.command == "advise":
-            from vllm_balance.sim.advise import advise
+            from balance_sim.advise import advise
 
             return advise(args, options_from_args(args), jobs, given_keys)
         if args.command == "envelope":
-            from vllm_balance.sim.envelope import envelope
+            from balance_sim.envelope import envelope
 
             return envelope(args, options_from_args(args), jobs)
         return _run(args, jobs)

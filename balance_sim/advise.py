@@ -42,7 +42,7 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from vllm_balance.sim.compare import (
+from balance_sim.compare import (
     HELPS,
     HURTS,
     MIXED,
@@ -53,9 +53,9 @@ from vllm_balance.sim.compare import (
     changes,
     verdict,
 )
-from vllm_balance.sim.parallel import Job, cached_workload, run_jobs
-from vllm_balance.sim.runner import SimOptions, offered_load, scenario_title
-from vllm_balance.sim.stepmodel import StepTimeModel
+from balance_sim.parallel import Job, cached_workload, run_jobs
+from balance_sim.runner import SimOptions, offered_load, scenario_title
+from balance_sim.stepmodel import StepTimeModel
 
 MIN_REQUESTS = 200
 MAX_LOAD = 1.6  # the top of docs/results.md's operating envelope
@@ -463,7 +463,7 @@ def gather_evidence(
     hold: str,
 ) -> Evidence:
     """The evidence from the runs, keyed as :func:`plan` keys them."""
-    from vllm_balance.sim.metrics import fullest_rank, queue_growth
+    from balance_sim.metrics import fullest_rank, queue_growth
 
     summaries = {key: [run.summary for run in found] for key, found in runs.items()}
     off, on = summaries[("", "off")], summaries[("", "on")]

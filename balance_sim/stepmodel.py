@@ -59,7 +59,7 @@ never free. Default 0.64 ms: ``balance_gather()`` at DP=2 on gloo loopback, the 
 runs in docs/results.md "(b) Gather cost" (651 and 621 us), the only measured point not
 oversubscribed on the 2-core machine. ``0`` charges nothing.
 
-A cluster's gather crosses the network and grows with DP (issue 17, docs/scaling.md). gloo's
+A cluster's gather crosses the network and grows with DP (docs/scaling.md). gloo's
 ``all_gather`` is a ring: ``gloo::allgather`` (gloo/allgather.cc) passes each rank's value to
 its neighbour DP-1 times in sequence, so its latency is a fixed part plus DP-1 network hops.
 ``gather_hop_us`` is that per-hop latency (µs; one small TCP message between two DP ranks' hosts)

@@ -10,8 +10,10 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # imported where used: the command line answers --help without numpy
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class LengthDist:
 
     def sample(self, rng: np.random.Generator, n: int) -> list[int]:
         if self.kind == "fixed":
+            import numpy as np
+
             values = np.full(n, self.params[0])
         elif self.kind == "uniform":
             values = rng.integers(int(self.params[0]), int(self.params[1]) + 1, size=n)
@@ -112,6 +116,8 @@ def generate_arrivals(
     process: str = "poisson",
     burstiness: float = 0.25,
 ) -> list[Arrival]:
+    import numpy as np
+
     # Independent streams: changing the length distribution leaves arrival times unchanged.
     times_rng, prompt_rng, output_rng = (
         np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3)

@@ -39,6 +39,19 @@ def balance_scheduler_class() -> type:
     return cls
 
 
+def leader_within_one_of_cap(scheduler: Any) -> bool:
+    """The reverted ``cap-1`` gate, as a ``leader_at_cap()``: freeze when the leader is within one
+    request of the cap (``max >= cap - 1`` instead of the contract's ``==``).
+
+    Written once: the simulator's ``cap-1`` policy and the bench-serve server's scheduler class
+    (:func:`cap_minus_one_class`), the mutation run's ``gate_ge_cap_minus_1`` and the differential
+    test's readable-divergence control all install this function, so the variant they measure is
+    the one the suite must catch.
+    """
+    leader = max(int(t.item()) for t in scheduler.balance_queue)
+    return leader >= scheduler.max_num_running_reqs - 1
+
+
 @functools.cache
 def cap_minus_one_class() -> type:
     base = balance_scheduler_class()
@@ -46,9 +59,7 @@ def cap_minus_one_class() -> type:
     class CapMinusOneScheduler(base):  # type: ignore[misc, valid-type]
         """Reverted variant: freeze when the leader is within one request of the cap."""
 
-        def leader_at_cap(self) -> bool:
-            leader = max(t.item() for t in self.balance_queue)
-            return leader >= self.max_num_running_reqs - 1
+        leader_at_cap = leader_within_one_of_cap
 
     return CapMinusOneScheduler
 

@@ -19,7 +19,7 @@ from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_balance.sim.runner import (
+from balance_sim.runner import (
     PolicyRun,
     SimOptions,
     Workload,

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from vllm_balance.sim.builders import (
+from balance_sim.builders import (
     RequestSpec,
     make_request,
     make_scheduler,
@@ -35,10 +35,10 @@ from vllm_balance.sim.builders import (
     model_runner_output,
     prompt_token_ids,
 )
-from vllm_balance.sim.policies import Policy
-from vllm_balance.sim.router import Counts
-from vllm_balance.sim.stepmodel import RankWork, StepTimeModel
-from vllm_balance.sim.workload import Arrival
+from balance_sim.policies import Policy
+from balance_sim.router import Counts
+from balance_sim.stepmodel import RankWork, StepTimeModel
+from balance_sim.workload import Arrival
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_balance.sim.engine import RunRecord
+from balance_sim.engine import RunRecord
 
 DIGITS = 6  # rounding for JSON: readable, and identical for identical runs
 
@@ -62,7 +62,7 @@ def queue_growth(run: RunRecord) -> float:
     +-0.02 in the default scenario at 0.6x and 1.0x, seed 0, off and on). About
     ``1 - 1/load`` where it cannot: the queue then grows for as long as requests arrive, and
     every TTFT number grows with the run's length (off at 1.2x: 0.17-0.25; its TTFT p99 9.7 /
-    20.5 / 44.4 s at 1000 / 2000 / 4000 requests, issue 34).
+    20.5 / 44.4 s at 1000 / 2000 / 4000 requests).
     """
     arrivals = sorted(r.arrival_s for r in run.requests.values())
     first_tokens = sorted(

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_balance.sim.engine import RunRecord
-from vllm_balance.sim.metrics import DIGITS, Summary, tpots_s, ttfts_s
+from balance_sim.engine import RunRecord
+from balance_sim.metrics import DIGITS, Summary, tpots_s, ttfts_s
 
 COLUMNS = (
     ("policy", "policy", "{}"),

@@ -1,1 +1,0 @@
-"""DP balance simulator (see vllm_balance.sim.__main__)."""
