@@ -25,7 +25,7 @@ def test_shim_never_mentions_compat():
 def test_vllm_versions_are_written_only_in_pin_files():
     version = re.compile(r"""["'](v?0\.2[4-9]\.\d+|v?0\.3\d\.\d+)["']""")
     offenders = []
-    for folder in ("vllm_balance", "shim", "compat", "tools"):
+    for folder in ("vllm_balance", "shim", "compat", "tools", "testbed"):
         for path in (ROOT / folder).rglob("*.py"):
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 if version.search(line):
@@ -37,7 +37,8 @@ def test_no_vllm_source_text_outside_the_series():
     """Shared runs of >= 6 code lines with the installed vLLM's scheduler.py / core.py, anywhere
     but the seam series and diff blocks in docs."""
     import vllm
-    from check_no_vllm_source import shared_runs
+
+    from tools.check_no_vllm_source import shared_runs
 
     vllm_dir = Path(vllm.__file__).parent
     found = shared_runs(ROOT, vllm_dir)
@@ -51,7 +52,8 @@ def test_no_vllm_source_check_finds_pasted_lines_but_not_a_quoted_diff(tmp_path)
     found; the same lines as context in a ```diff block (how the PR description quotes the seam)
     are not."""
     import vllm
-    from check_no_vllm_source import code_lines, shared_runs
+
+    from tools.check_no_vllm_source import code_lines, shared_runs
 
     vllm_dir = Path(vllm.__file__).parent
     scheduler = vllm_dir / "v1/core/sched/scheduler.py"

@@ -20,9 +20,9 @@ import re
 
 import pytest
 
-from tests.e2e.load import Stall
+from balance_testbed.load import Stall
+from balance_testbed.server import VllmServer, engine_core_main_frames
 from tests.e2e.runs import MODES, ROOT, send_waves
-from tests.e2e.server import VllmServer, engine_core_main_frames
 from tests.multiproc.watchdog_log import assert_blocked_exactly, watchdog_lines
 from vllm_balance.config import DEFAULT_GATHER_WARN_S
 from vllm_balance.shim.watchdog import BLOCKED
