@@ -1,6 +1,6 @@
 """The repository rules that protect the product: shim/ stands without compat/ (also
 tests/test_without_compat.py), feature detection rather than version strings, no vLLM source
-text. Each test names the rule it keeps."""
+text, support code importing one way (tools/import_pairs.py). Each test names the rule it keeps."""
 
 from __future__ import annotations
 
@@ -64,3 +64,30 @@ def test_no_vllm_source_check_finds_pasted_lines_but_not_a_quoted_diff(tmp_path)
     found = shared_runs(tmp_path, vllm_dir)
 
     assert [line.split(":")[0] for line in found] == ["pasted.md"]
+
+
+def test_support_imports_one_way_by_explicit_names():
+    """Product <- test bed <- tools, upstream_patch, benchmarks <- tests: no folder pair imports
+    both ways, none upward, and no module of another folder by a bare name (it would import only
+    with that folder on the path)."""
+    from tools.import_pairs import both_ways, crossings, upward
+
+    pairs, bare = crossings()
+    assert (both_ways(pairs), upward(pairs), bare) == ([], [], [])
+
+
+def test_import_pairs_finds_a_bare_name_and_a_pair_both_ways(tmp_path):
+    """Negative control for the check above: tools/ importing the test bed is fine; the test bed
+    importing a tool by its bare name is all three faults at once."""
+    from tools.import_pairs import both_ways, crossings, upward
+
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "report.py").write_text("from balance_testbed import pins\n")
+    (tmp_path / "testbed" / "balance_testbed").mkdir(parents=True)
+    (tmp_path / "testbed" / "balance_testbed" / "pins.py").write_text("import report\n")
+
+    pairs, bare = crossings(tmp_path)
+
+    assert both_ways(pairs) == [("testbed", "tools")]
+    assert upward(pairs) == [("testbed", "tools")]
+    assert bare == ["testbed/balance_testbed/pins.py: report (tools/)"]
