@@ -44,7 +44,7 @@ from balance_testbed.server import (
     process_name,
 )
 from tests.e2e.netns import Host, TwoHosts, namespace_refusal, tcp_peers
-from tests.e2e.runs import MODES, ROOT, Mode, RunCache, probe_after_the_load, serve_the_load
+from tests.e2e.runs import MODES, Mode, RunCache, probe_after_the_load, serve_the_load
 from tests.multiproc.watchdog_log import watchdog_lines
 
 # Inside the namespaces: nothing else listens there, so fixed ports are free.
@@ -145,7 +145,6 @@ def node_spec(base: ServerSpec, hosts: TwoHosts, host: Host, rank: int, workdir:
         **base.env,
         **dict(zip(NODE_ENV, (host.interface, host.address))),
         STEP_DIR_ENV: str(workdir),
-        "PYTHONPATH": str(ROOT),  # the headless launcher is balance_testbed.vllm_serve
     }
     variant = os.environ.get(HEADLESS_VARIANT_ENV)
     if variant and node.headless:
