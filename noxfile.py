@@ -5,7 +5,7 @@
     nox -s tests-release -- -k contract   # one session; pytest arguments after --
 
 Every test session builds its own virtualenv from pins/*.txt and requirements/*.txt; nothing is
-installed by hand. Versions are read from the pin files at run time (tools/pins.py).
+installed by hand. Versions are read from the pin files at run time (balance_testbed.pins).
 """
 
 from __future__ import annotations
@@ -19,20 +19,17 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).resolve().parent
-# The repository's script folders, importable by module name: tests/ (factories, junit), tools/
-# (pins), upstream_patch/ (seam_patch) and the root (the tests.e2e and benchmarks packages). Here
-# for the nox process itself; in every venv nox builds through a .pth (support_paths).
-SUPPORT_PATHS = [ROOT / "tests", ROOT / "tools", ROOT / "upstream_patch", ROOT]
-sys.path.extend(str(path) for path in SUPPORT_PATHS)
-from seam_patch import (  # noqa: E402
+# The test bed (pins, the seam's series), for nox's own interpreter, which has none of the venvs'
+# packages; every venv nox builds has it installed (install_testbed).
+sys.path.insert(0, str(ROOT / "testbed"))
+from balance_testbed.pins import PIN_NAMES, PinError, read_pin, read_vllm_ascend_pins  # noqa: E402
+from balance_testbed.seam_patch import (  # noqa: E402
     IN_TREE_ROOT,
     all_series,
     fetch_sdist,
     shadowing,
     unpacked_release,
 )
-
-from pins import PIN_NAMES, PinError, read_pin, read_vllm_ascend_pins  # noqa: E402
 
 nox.options.sessions = [
     "lint",
@@ -46,14 +43,11 @@ nox.options.sessions = [
 nox.options.error_on_missing_interpreters = True
 
 
-def support_paths(session: nox.Session, paths: list[Path] = SUPPORT_PATHS) -> None:
-    """Put ``paths`` on the venv's sys.path (a .pth file, after site-packages): a script the docs
-    name runs as ``python X.py`` with this venv's python and imports its neighbours' modules, with
-    no sys.path edits of its own (a script's own folder is on the path already)."""
-    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    purelib = session.run("python", "-c", code, silent=True, log=False)
-    pth = Path(str(purelib).strip().splitlines()[-1]) / "vllm_balance_repo.pth"
-    pth.write_text("".join(f"{path}\n" for path in paths))
+def install_testbed(session: nox.Session) -> None:
+    """The test bed (testbed/: factories, pins, the seam's series, ...), editable: a script the
+    docs name runs as ``python X.py`` with this venv's python and imports it by name
+    (``balance_testbed.X``); a script's own folder is on its path already."""
+    session.install("--no-deps", "-e", "testbed")
 
 
 def install_pin(session: nox.Session, pin_name: str):
@@ -92,7 +86,7 @@ def install_pinned_vllm(session: nox.Session, pin_name: str, seam: bool = False)
         # A pinned vllm-ascend release targets this vLLM: its take-over tests run here.
         session.install("-r", "requirements/vllm-ascend.txt")
     session.install("--no-deps", "-e", ".")
-    support_paths(session)
+    install_testbed(session)
     if seam:  # upstream_patch/'s seam, applied to this venv's vLLM
         session.run("python", "upstream_patch/apply.py", "installed")
     session.env["VLLM_BALANCE_SEAM"] = "1" if seam else "0"
@@ -151,7 +145,7 @@ def lint(session: nox.Session) -> None:
         "-c", "requirements/test-cpu.txt", "--no-deps", "torch", "typing_extensions", "numpy"
     )
     session.install("-c", "requirements/test-cpu.txt", "--no-deps", "packaging", "-e", ".")
-    support_paths(session)
+    install_testbed(session)
     session.run("python", "tools/check_doc_commands.py", "--nox", sys.executable)
     session.run("python", "tools/support_matrix.py", "--check")
 
@@ -275,8 +269,7 @@ def package(session: nox.Session) -> None:
     install_pin(session, "release-tag")
     [wheel] = [p for p in built if p.endswith(".whl")]
     session.install("--no-deps", wheel)
-    # tests/factories.py only: the root would put the checkout's vllm_balance/ on the path.
-    support_paths(session, [ROOT / "tests"])
+    install_testbed(session)  # its factories; the wheel, not the checkout, is vllm_balance
     sdists = [str(fetch_sdist(pin.release, "vllm-ascend")) for pin in read_vllm_ascend_pins()]
     # From a folder outside the checkout: the installed wheel is imported, not the source tree.
     session.chdir(session.create_tmp())
@@ -332,8 +325,8 @@ def install_e2e(session: nox.Session) -> None:
     session.install("--no-deps", "-r", "requirements/e2e.txt")
     session.install("-r", "requirements/test-tools.txt")
     install_pin(session, "e2e")
-    session.install("--no-deps", "-e", ".", "-e", "tests/e2e/vllm_plugins")
-    support_paths(session)
+    session.install("--no-deps", "-e", ".", "-e", "testbed/vllm_plugins")
+    install_testbed(session)
     session.run("python", "upstream_patch/apply.py", "installed", "--revert")
 
 
@@ -386,7 +379,8 @@ def bench_serve(session: nox.Session) -> None:
     rate sweep, then the simulator on the same workload (benchmarks/serve.py; docs/results.md)."""
     install_e2e(session)
     session.install("--no-deps", "-r", "requirements/sim.txt")  # matplotlib for the PNG
-    session.run("python", "benchmarks/serve.py", *session.posargs)
+    # -m: the root on the path, for its imports of benchmarks.* and tests.e2e.*
+    session.run("python", "-m", "benchmarks.serve", *session.posargs)
 
 
 @nox.session(name="bench-emulated")
@@ -396,4 +390,4 @@ def bench_emulated(session: nox.Session) -> None:
     serve`, the simulator beside it (benchmarks/emulated.py; docs/results.md)."""
     install_e2e(session)
     session.install("--no-deps", "-r", "requirements/sim.txt")  # matplotlib for the PNG
-    session.run("python", "benchmarks/emulated.py", *session.posargs)
+    session.run("python", "-m", "benchmarks.emulated", *session.posargs)  # -m: as bench-serve

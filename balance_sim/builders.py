@@ -9,7 +9,7 @@ complete, nothing for a partial prefill chunk), so a scheduler can be stepped th
 ``schedule()`` / ``update_from_output()`` until its requests finish and free their blocks.
 
 The simulator's clusters are made of these; the test suite builds on them too
-(``tests/factories.py`` adds stepping and output comparison).
+(``testbed/balance_testbed/factories.py`` adds stepping and output comparison).
 """
 
 from __future__ import annotations

@@ -190,8 +190,7 @@ def server_spec(model_dir: Path, out: Path, label: str, dp: int, device_file: Pa
     from vllm_balance_e2e_plugins.device_time import DEVICE_MODEL_ENV
     from vllm_balance_e2e_plugins.step_timing import STEP_DIR_ENV
 
-    from tests.e2e.runs import MODEL_DTYPE
-    from tests.e2e.server import ServerSpec
+    from balance_testbed.server import MODEL_DTYPE, ServerSpec
 
     class Spec(ServerSpec):
         def environ(self, stack_dir: Path) -> dict[str, str]:
@@ -250,8 +249,8 @@ def knee_model(calibration: dict) -> dict:
 
 
 def measure_grid(args, out: Path) -> None:
-    from tests.e2e.runs import MODEL_DTYPE
-    from tests.e2e.tiny_moe import make_tiny_moe
+    from balance_testbed.server import MODEL_DTYPE
+    from balance_testbed.tiny_moe import make_tiny_moe
 
     model_dir = make_tiny_moe(out / "model", MODEL_DTYPE, **MODEL_SIZES)
     path = out / "runs.json"

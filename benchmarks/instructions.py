@@ -110,11 +110,11 @@ def _repeated(gather, calls_per_region: int = GATHER_CALLS):
 
 def _metrics_regions() -> list[tuple[str, object]]:
     """The metrics' route, ``STATS_CALLS`` calls per region (labels ``stats/...``)."""
-    from factories import make_scheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
     import vllm_balance
+    from balance_testbed.factories import make_scheduler
     from vllm_balance.shim.metrics import BalanceStatLogger
 
     plain_config, balance_config = steps.scheduler_configs(8)

@@ -111,7 +111,7 @@ def bench_schedule(reps: int) -> dict:
 
 def bench_gate(balance_cls, configs) -> dict:
     """Median cost of the once-per-step gate decision (``leader_at_cap()``) alone, in µs."""
-    from factories import make_scheduler
+    from balance_testbed.factories import make_scheduler
 
     result = {}
     for dp in DP_SIZES:
@@ -130,10 +130,14 @@ def bench_gate(balance_cls, configs) -> dict:
 
 def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from factories import add_requests, make_requests, make_scheduler, make_vllm_config
-    from factories import step as engine_step
-
     import vllm_balance
+    from balance_testbed.factories import (
+        add_requests,
+        make_requests,
+        make_scheduler,
+        make_vllm_config,
+    )
+    from balance_testbed.factories import step as engine_step
     from vllm_balance.shim import collective
 
     dist.init_process_group(
@@ -297,9 +301,14 @@ def bench_seam(reps: int) -> dict:
     import inspect
     import timeit
 
-    import seam_differential
-    from factories import make_request, make_scheduler, make_vllm_config, request_specs
-    from seam_patch import SEAM_METHOD, load_scheduler_module, split_at_seam_method
+    from balance_testbed import seam_differential
+    from balance_testbed.factories import (
+        make_request,
+        make_scheduler,
+        make_vllm_config,
+        request_specs,
+    )
+    from balance_testbed.seam_patch import SEAM_METHOD, load_scheduler_module, split_at_seam_method
 
     twins = seam_differential.twins()
     config = make_vllm_config(

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.e2e.runs import BALANCE_ON, MODEL_DTYPE, last_stats_per_rank
+from balance_testbed.server import BALANCE_ON, MODEL_DTYPE
+from balance_testbed.server_log import last_stats_per_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,7 +111,7 @@ PHASES = (
 
 def phase_sums(metrics_text: str) -> dict[str, list[float]]:
     """[sum, count] of each histogram in ``PHASES`` (cumulative since the server started)."""
-    from tests.e2e.runs import metric_samples
+    from balance_testbed.server_log import metric_samples
 
     samples = metric_samples(metrics_text, "vllm:")
 
@@ -155,8 +156,8 @@ def measure_server(
 ) -> list[dict]:
     """Start ``spec``'s server in ``out/servers/<label>``, warm it up, run ``plan`` on it in
     order with vLLM's own client and record each run; the server is stopped on the way out."""
+    from balance_testbed.server import VllmServer
     from benchmarks.vllm_bench_serve import run as bench_serve
-    from tests.e2e.server import VllmServer
 
     workdir = out / "servers" / label
     runs = []
@@ -207,7 +208,7 @@ def measure_server(
 def measure_policy(policy: str, model: Path, args, out: Path) -> list[dict]:
     from vllm_balance_e2e_plugins.step_timing import STEP_DIR_ENV
 
-    from tests.e2e.server import ServerSpec
+    from balance_testbed.server import ServerSpec
 
     config, flags = POLICIES[policy]
     label = policy.replace(":", "-")
@@ -231,7 +232,7 @@ def measure_policy(policy: str, model: Path, args, out: Path) -> list[dict]:
 
 
 def measure(args, out: Path) -> None:
-    from tests.e2e.tiny_moe import make_tiny_moe
+    from balance_testbed.tiny_moe import make_tiny_moe
 
     model = make_tiny_moe(out / "model", MODEL_DTYPE, **MODEL_SIZES)
     # Policies measured earlier into the same --out are kept (a sweep may be run in parts).

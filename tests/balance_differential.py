@@ -43,12 +43,14 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import factories
 import torch
-from factories import SHARED_PREFIXES
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from lockstep import (
+
+import vllm_balance
+from balance_testbed import factories
+from balance_testbed.factories import SHARED_PREFIXES
+from balance_testbed.lockstep import (
     Gathered,
     Req,
     Run,
@@ -59,8 +61,6 @@ from lockstep import (
     lockstep,
     vllm_config,
 )
-
-import vllm_balance
 
 # Default CI runs this on four sessions (two pins x seam/compat): keep each test to seconds.
 # VLLM_BALANCE_DIFFERENTIAL_PROFILE=soak multiplies the examples for mutation and soak runs.

@@ -1,4 +1,4 @@
-"""Shared fixtures: real vLLM objects from the pinned wheel (see tests/factories.py)."""
+"""Shared fixtures: real vLLM objects from the pinned wheel (see balance_testbed/factories.py)."""
 
 from __future__ import annotations
 
@@ -64,8 +64,9 @@ def fresh_once_logs():
 @pytest.fixture
 def forked_probe(tmp_path, monkeypatch):
     """Install the handshake probe for fork children (they inherit it); upstream's afterwards."""
-    from engine_probe import install_probe
     from vllm.v1.engine.core import EngineCoreProc
+
+    from balance_testbed.engine_probe import install_probe
 
     monkeypatch.setattr(EngineCoreProc, "_perform_handshakes", EngineCoreProc._perform_handshakes)
     report = str(tmp_path / "report.json")

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_binaries import BINARIES, refusal, which
+
+from tools.prometheus_binaries import BINARIES, refusal, which
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "balance-rules.yml"

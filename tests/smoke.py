@@ -13,9 +13,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def smoke_report(num_requests: int = 64, max_num_seqs: int = 16) -> str:
-    import factories
     import vllm
 
+    from balance_testbed import factories
     from vllm_balance.selection import active_path
 
     started = time.perf_counter()

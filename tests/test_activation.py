@@ -11,15 +11,15 @@ import subprocess
 import sys
 import textwrap
 
-import factories
 import pytest
 import vllm.v1.engine.core as core_module
-from engine_probe import HandshakeProbe, install_probe, launch_engine_core
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
 
 import vllm_balance
+from balance_testbed import factories
+from balance_testbed.engine_probe import HandshakeProbe, install_probe, launch_engine_core
 from vllm_balance import activation, plugin, registry
 from vllm_balance.config import DEPRECATED_ENV_VAR
 from vllm_balance.shim.engine_core import BalanceDPEngineCoreProc
@@ -77,7 +77,7 @@ def test_plugin_with_balance_off_leaves_every_upstream_class_identical():
 IDENTITY_PROBE = textwrap.dedent(
     """
     import importlib, json, sys
-    from factories import make_vllm_config
+    from balance_testbed.factories import make_vllm_config
     for name in ("vllm.v1.core.sched.scheduler", "vllm.v1.core.sched.async_scheduler",
                  "vllm.v1.engine.core", "vllm.v1.engine", "vllm.v1.engine.core_client",
                  "vllm.v1.metrics.stats", "vllm.v1.metrics.loggers", "vllm.v1.serial_utils"):
@@ -216,7 +216,7 @@ def test_async_scheduler_gets_balance_whatever_the_import_order(async_first):
         """
         import torch
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-        from tests import factories
+        from balance_testbed import factories
         from vllm_balance.selection import balance_counterpart
         cls = balance_counterpart(AsyncScheduler)
         assert issubclass(cls, AsyncScheduler), cls.__mro__

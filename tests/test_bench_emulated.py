@@ -24,9 +24,13 @@ MODEL = StepTimeModel(
 def stepped_outputs():
     """A real scheduler's outputs over a run with staggered arrivals: new prefills, chunked
     prefills (the token budget is smaller than a prompt), decodes beside them, finishes."""
-    from factories import add_requests, make_requests, make_scheduler, model_runner_output
-
     from balance_sim.engine import _rank_work
+    from balance_testbed.factories import (
+        add_requests,
+        make_requests,
+        make_scheduler,
+        model_runner_output,
+    )
 
     scheduler = make_scheduler(max_num_seqs=4, max_num_batched_tokens=64)
     outputs = []
@@ -57,7 +61,7 @@ def test_emulated_batch_time_is_what_the_simulator_charges_the_rank():
 def test_an_empty_step_is_no_forward_and_sleeps_nothing():
     """vLLM's model runner returns without a forward when nothing is scheduled; the dummy batch
     that follows is the forward (``fixed_ms``)."""
-    from factories import make_scheduler
+    from balance_testbed.factories import make_scheduler
 
     output = make_scheduler().schedule()
     assert output.total_num_scheduled_tokens == 0

@@ -4,7 +4,7 @@ all_gather (issue 17), on real gloo groups (stateless, like vLLM's DP group; ran
 Two levels: the reduction alone against an all_gather of the same counts, and real balance
 schedulers stepped side by side, one per collective on each rank, with their gate decisions,
 ``SchedulerOutput``s and statistics compared step by step. The negative control is
-``late_fold_in_reduce`` (tests/multiproc/variants.py): the same rounds with the extra ranks of a
+``late_fold_in_reduce`` (balance_testbed.variants): the same rounds with the extra ranks of a
 non-power-of-two DP folded in after the doubling instead of before.
 """
 
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import random
 
-import factories
 import pytest
 import torch
 import torch.distributed as dist
 from test_contract import CAP, gloo_groups, run_as_ranks
 
 import vllm_balance
-from tests.multiproc.variants import late_fold_in_reduce
+from balance_testbed import factories
+from balance_testbed.variants import late_fold_in_reduce
 from vllm_balance.shim import collective
 
 # Powers of two and not, up to two extra ranks folded in (5, 6) and three rounds (8).

@@ -20,8 +20,13 @@ if has_seam():
     # refuse the seamed schedule() as unverified). Its drift test runs in the compat sessions.
     pytest.skip("vLLM has the seam: the compat path is not used", allow_module_level=True)
 
-from factories import make_request, make_scheduler, request_specs, set_gathered, step
-
+from balance_testbed.factories import (
+    make_request,
+    make_scheduler,
+    request_specs,
+    set_gathered,
+    step,
+)
 from vllm_balance.compat.scheduler import CompatBalanceAsyncScheduler, CompatBalanceScheduler
 
 CAP = 4

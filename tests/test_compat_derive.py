@@ -23,7 +23,7 @@ import vllm
 import vllm.v1.core.sched.scheduler as scheduler_module
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from pins import read_pin
+from balance_testbed.pins import read_pin
 from vllm_balance.selection import has_seam
 
 if has_seam():
@@ -31,8 +31,7 @@ if has_seam():
     # refuse the seamed schedule() as unverified). Its drift test runs in the compat sessions.
     pytest.skip("vLLM has the seam: the compat path is not used", allow_module_level=True)
 
-from factories import add_requests, make_requests, make_scheduler
-
+from balance_testbed.factories import add_requests, make_requests, make_scheduler
 from vllm_balance.compat import derive
 from vllm_balance.compat.derive import (
     ALLOW_UNVERIFIED_ENV,
@@ -162,7 +161,7 @@ def test_derived_schedule_is_the_seamed_schedule_with_the_gate_inlined():
     schedule() for this release (upstream_patch/) with the seam's call read as the gate (the shim's
     override: ``admission_frozen``, recorded in ``admission_held``), less delta 1 (balance off runs
     upstream's own) and delta 3 (an assert that real state never trips)."""
-    from seam_patch import SEAM_METHOD, match_series, scheduler_text
+    from balance_testbed.seam_patch import SEAM_METHOD, match_series, scheduler_text
 
     source = inspect.getsource(scheduler_module)
     seamed = scheduler_text(source, match_series(source, vllm.__version__).series)

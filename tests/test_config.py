@@ -1,5 +1,5 @@
 """Reading the enable key: one place, AscendConfig first, nested wins, booleans only, env var
-deprecated. Every config here is a real ``VllmConfig`` (``tests/factories.py``)."""
+deprecated. Every config here is a real ``VllmConfig`` (``balance_testbed/factories.py``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import logging
 import sys
 import types
 
-import factories
 import pytest
 
+from balance_testbed import factories
 from vllm_balance.config import DEPRECATED_ENV_VAR, balance_enabled
 
 

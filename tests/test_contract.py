@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import threading
 
-import factories
 import pytest
-import seam_differential
 import torch
 import torch.distributed as dist
 from async_kv_connector import kv_transfer_config, load_finished
 from conftest import session_has_seam
 
 import vllm_balance
+from balance_testbed import factories, seam_differential
 from vllm_balance.shim import collective
 
 CAP = 4

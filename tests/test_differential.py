@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 from balance_differential import check_property, compare, property_settings, workloads
-from factories import Divergence
 from hypothesis import Phase, given, settings
-from lockstep import Gathered, Req, Workload
 
 import vllm_balance
 from balance_sim.policies import leader_within_one_of_cap
+from balance_testbed.factories import Divergence
+from balance_testbed.lockstep import Gathered, Req, Workload
 
 # Paths a gate-open run must reach somewhere in the generated examples.
 GATE_OPEN_REACHES = {

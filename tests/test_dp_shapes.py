@@ -6,12 +6,12 @@ pause and sleep in ``multiproc/test_pause.py``.
 
 from __future__ import annotations
 
-import factories
 import pytest
 import vllm.v1.engine.core as core_module
 from vllm.config import ParallelConfig
 from vllm.v1.engine.core import DPEngineCoreProc
 
+from balance_testbed import factories
 from vllm_balance import activation, registry
 from vllm_balance.shim.engine_core import BalanceDPEngineCoreProc
 

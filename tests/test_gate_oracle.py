@@ -10,7 +10,8 @@ scripted, so this rank's slot is its own payload (contract 3: ``len(running)``, 
 from __future__ import annotations
 
 from balance_differential import check_property
-from lockstep import Gathered, Req, Workload
+
+from balance_testbed.lockstep import Gathered, Req, Workload
 
 # The oracle must have cut admission on real frozen steps, and admitted on open ones.
 ORACLE_REACHES = {"frozen_with_room_and_waiting", "admitted", "preemption", "skipped_waiting"}

@@ -12,12 +12,12 @@ import logging
 import threading
 import time
 
-import factories
 import pytest
 import torch.distributed as dist
 from test_contract import CAP, gloo_groups
 
 import vllm_balance
+from balance_testbed import factories
 from tests.multiproc.watchdog_log import WatchdogLine, watchdog_lines
 from vllm_balance.shim.stats import BalanceStats
 from vllm_balance.shim.watchdog import BLOCKED, MAX_REPEAT_S, UNBLOCKED, GatherWatchdog

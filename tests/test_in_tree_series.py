@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from seam_patch import (
+
+from balance_testbed.seam_patch import (
     IN_TREE_ROOT,
     SCHEDULER_PATH,
     SEAM_METHOD,

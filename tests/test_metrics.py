@@ -21,10 +21,10 @@ from dataclasses import fields
 
 import pytest
 from conftest import ROOT
-from factories import make_scheduler, make_vllm_config
 from vllm.v1.metrics.stats import SchedulerStats
 
 import vllm_balance
+from balance_testbed.factories import make_scheduler, make_vllm_config
 from vllm_balance.config import METRICS_ENV_VAR
 from vllm_balance.shim.metrics import (
     COUNTERS,
@@ -215,7 +215,7 @@ API_SERVER = textwrap.dedent(
     import json, sys
     from vllm.v1.metrics.stats import SchedulerStats
     from vllm_balance.shim.metrics import BalanceSchedulerStats, BalanceStatLogger
-    from tests.factories import make_vllm_config
+    from balance_testbed.factories import make_vllm_config
 
     config = make_vllm_config(data_parallel_size=2, additional_config=json.loads(sys.argv[2]))
     config.model_config.served_model_name = "tiny-moe"  # one label set for both API servers

@@ -14,9 +14,7 @@ import shutil
 
 import pytest
 import yaml
-from check_docs import anchors
 from conftest import ROOT
-from factories import make_scheduler, make_vllm_config
 from monitoring import (
     E2E_DURATIONS,
     RULE_TESTS,
@@ -32,6 +30,8 @@ from monitoring import (
 )
 
 import vllm_balance
+from balance_testbed.factories import make_scheduler, make_vllm_config
+from tools.check_docs import anchors
 from vllm_balance.shim.metrics import COUNTERS, GAP_GAUGE
 
 OPERATIONS = ROOT / "docs" / "operations.md"

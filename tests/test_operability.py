@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 
-import factories
 import pytest
 import torch
 from test_contract import (
@@ -19,6 +18,7 @@ from test_contract import (
 from vllm.v1.request import RequestStatus
 
 import vllm_balance
+from balance_testbed import factories
 from vllm_balance.config import balance_options
 
 

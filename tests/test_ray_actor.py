@@ -14,13 +14,13 @@ import logging
 import pickle
 
 import cloudpickle
-import factories
 import pytest
 import vllm.v1.engine.core as core_module
 from vllm.v1.engine.core import DPEngineCoreProc, DPMoEEngineCoreActor, EngineCoreActorMixin
 from vllm.v1.engine.utils import CoreEngineActorManager
 
 import vllm_balance
+from balance_testbed import factories
 from vllm_balance import activation, plugin, registry
 from vllm_balance.activation import BalanceConfigError
 from vllm_balance.ray_actor import BalanceDPMoEEngineCoreActor

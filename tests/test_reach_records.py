@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-import reach
-import support_matrix
+
+from balance_testbed import records as reach_records
+from tools import support_matrix
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,7 +36,7 @@ def records(tmp_path, monkeypatch):
     pinned = {"release": "0.24.0", "fingerprint": "sha256:pin", "date": "d", "evidence": "CI"}
     stale = {"release": "0.28.0", "fingerprint": "sha256:old", "date": "d", "evidence": "reach"}
     fingerprints.write_text(json.dumps({"about": "", "verified": [pinned, stale]}))
-    monkeypatch.setattr(reach, "FINGERPRINTS", fingerprints)
+    monkeypatch.setattr(reach_records, "FINGERPRINTS", fingerprints)
     return fingerprints
 
 
@@ -45,21 +46,21 @@ def recorded(fingerprints: Path) -> dict[str, str]:
 
 
 def test_a_passing_compat_run_records_release_fingerprint_date_and_evidence(records):
-    reach.record_fingerprints({"0.30.0": {"compat": path_run(ok=True)}})
+    reach_records.record_fingerprints({"0.30.0": {"compat": path_run(ok=True)}})
     entry = json.loads(records.read_text())["verified"][-1]
     assert entry == {
         "release": "0.30.0",
         "fingerprint": "sha256:new",
         "date": "2026-11-30",
-        "evidence": reach.evidence_summary(path_run(ok=True)),
+        "evidence": reach_records.evidence_summary(path_run(ok=True)),
     }
     assert "0 lost" in entry["evidence"]
     assert list(recorded(records)) == ["0.24.0", "0.28.0", "0.30.0"]  # sorted by release
 
 
 def test_a_failed_compat_run_removes_the_release_and_a_shim_run_records_nothing(records):
-    reach.record_fingerprints({"0.28.0": {"compat": path_run(ok=False)}})
-    reach.record_fingerprints({"0.31.0": {"shim": path_run(ok=True)}})
+    reach_records.record_fingerprints({"0.28.0": {"compat": path_run(ok=False)}})
+    reach_records.record_fingerprints({"0.31.0": {"shim": path_run(ok=True)}})
     assert recorded(records) == {"0.24.0": "sha256:pin"}
 
 
@@ -96,7 +97,7 @@ def test_a_release_that_is_two_pins_names_both_and_their_ci_sessions(
     monkeypatch, tmp_path, records
 ):
     """The release tag can be the e2e server's vLLM too (0.30.0): one row per path, both named."""
-    from pins import Pin
+    from balance_testbed.pins import Pin
 
     versions = {"release-tag": "0.31.0", "main-verified": "0.33.0", "e2e": "0.31.0"}
     monkeypatch.setattr(

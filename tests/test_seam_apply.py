@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from seam_patch import (
+
+from balance_testbed.seam_patch import (
     SCHEDULER_PATH,
     SEAM_METHOD,
     SEAM_TEST_PATH,

@@ -1,6 +1,6 @@
 """The upstream seam changes no behaviour: differential tests of the unpatched vs patched Scheduler.
 
-Both classes come from the installed vLLM (see tests/seam_differential.py): its own
+Both classes come from the installed vLLM (see balance_testbed/seam_differential.py): its own
 ``Scheduler`` and a copy of its scheduler module with the series applied, or reverted when the
 seam sessions have patched the installed vLLM. They run the same workloads and must agree on
 every ``SchedulerOutput``, request output and queue state, step by step.
@@ -16,14 +16,15 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import factories
 import pytest
-import seam_differential as differential
-from factories import SHARED_PREFIXES, Divergence
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from lockstep import Req, Workload
-from seam_patch import SEAM_METHOD
+
+from balance_testbed import factories
+from balance_testbed import seam_differential as differential
+from balance_testbed.factories import SHARED_PREFIXES, Divergence
+from balance_testbed.lockstep import Req, Workload
+from balance_testbed.seam_patch import SEAM_METHOD
 
 # The default CI runs this on both pins and with/without the seam: keep it to seconds.
 NEUTRALITY_SETTINGS = settings(

@@ -16,8 +16,9 @@ import re
 from pathlib import Path
 
 import pytest
-from make_series import FRESH, TESTS_AFTER, authored, check_series, series_form
-from seam_patch import (
+
+from balance_testbed.pins import PIN_NAMES, read_pin
+from balance_testbed.seam_patch import (
     SCHEDULER_PATH,
     SEAM_METHOD,
     SEAM_TEST_PATH,
@@ -31,8 +32,7 @@ from seam_patch import (
     scheduler_text,
     serving_series,
 )
-
-from pins import PIN_NAMES, read_pin
+from upstream_patch.make_series import FRESH, TESTS_AFTER, authored, check_series, series_form
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,7 +127,7 @@ def test_the_installed_release_regenerates_byte_for_byte():
 def test_check_catches_a_series_that_is_not_what_the_generator_gives(monkeypatch):
     """Negative control: a change to the authored message (the newest series') that the stored
     series lack is reported."""
-    import make_series
+    from upstream_patch import make_series
 
     hand = authored(series_form(serving_series(installed_version())))
     changed = hand._replace(message=hand.message.replace("The case at hand", "The case in point"))
@@ -139,7 +139,7 @@ def test_check_catches_a_series_that_is_not_what_the_generator_gives(monkeypatch
 def test_check_catches_a_test_case_the_stored_series_lack(monkeypatch):
     """Negative control: the authored test cases are in every series, so a case added to them
     shows up in the check of every release."""
-    import make_series
+    from upstream_patch import make_series
 
     hand = authored(series_form(serving_series(installed_version())))
     added = hand._replace(tests=hand.tests + "\n\ndef test_x():\n    pass\n")
@@ -149,7 +149,7 @@ def test_check_catches_a_test_case_the_stored_series_lack(monkeypatch):
 
 def test_check_catches_a_method_docstring_the_stored_series_lack(monkeypatch):
     """Negative control: the method's docstring, too, is read from the newest series."""
-    import make_series
+    from upstream_patch import make_series
 
     hand = authored(series_form(serving_series(installed_version())))
     assert hand.method_head.startswith(f"    def {SEAM_METHOD}(self) -> bool:\n")
@@ -161,7 +161,7 @@ def test_check_catches_a_method_docstring_the_stored_series_lack(monkeypatch):
 
 def test_series_texts_differ_pairwise():
     """Only series whose text differs are stored (blob ids and line numbers aside)."""
-    from make_series import _LOCATION
+    from upstream_patch.make_series import _LOCATION
 
     texts = [_LOCATION.sub("", s.patches[0].read_text(encoding="utf-8")) for s in SERIES]
     assert len(set(texts)) == len(texts)
@@ -192,7 +192,7 @@ def test_the_pr_example_holds_back_admission_on_async_scheduling():
 
     if not hasattr(AsyncScheduler, SEAM_METHOD):
         pytest.skip("this vLLM has no seam (the *-seam sessions apply it)")
-    from factories import make_request, make_scheduler, request_specs
+    from balance_testbed.factories import make_request, make_scheduler, request_specs
 
     doc = (ROOT / "upstream_patch" / "PR.md").read_text(encoding="utf-8")
     example = re.search(r"```python\n(.*?)```", doc, re.S)

@@ -1,9 +1,10 @@
 """Take-over mode: this package next to vllm-ascend's own balance patch (vllm_balance/takeover.py).
 
-Run against vllm-ascend's own released source (``tests/vllm_ascend_standin.py``: the release of
-``pins/vllm-ascend.txt`` that targets the installed vLLM; elsewhere these tests skip with that
-reason). vLLM's own ``load_general_plugins()`` loads vllm-ascend's plugins, which apply all of its
-platform patches, before or after this package depending on ``sys.path`` (both orders below).
+Run against vllm-ascend's own released source (``balance_testbed.vllm_ascend_standin``: the
+release of ``pins/vllm-ascend.txt`` that targets the installed vLLM; elsewhere these tests skip
+with that reason). vLLM's own ``load_general_plugins()`` loads vllm-ascend's plugins, which
+apply all of its platform patches, before or after this package depending on ``sys.path``
+(both orders below).
 Every case is an engine core started the way vLLM's launcher starts it
 (``engine_probe.launch_engine_core``): forked from a ``FrontEnd`` that loaded the plugins, or
 spawned; it reports what it built and where vLLM's names point. The test process itself never
@@ -18,11 +19,12 @@ import subprocess
 import sys
 import textwrap
 
-import factories
 import pytest
-from engine_probe import launch_engine_core
 from vllm.v1.engine.core import EngineCoreProc
-from vllm_ascend_standin import (
+
+from balance_testbed import factories
+from balance_testbed.engine_probe import launch_engine_core
+from balance_testbed.vllm_ascend_standin import (
     ORDERS,
     OUR_PLUGIN,
     FrontEnd,
@@ -34,7 +36,6 @@ from vllm_ascend_standin import (
     skip_reason,
     vllm_ascend_in,
 )
-
 from vllm_balance import activation, plugin, registry
 from vllm_balance.config import TAKE_OVER_ENV_VAR, TAKE_OVER_KEY, balance_options
 
@@ -350,7 +351,7 @@ def run_front_end(root, order: str, options: dict, method: str) -> dict:
         f"""
         import runpy, sys
         from pathlib import Path
-        from tests.vllm_ascend_standin import put_on_path
+        from balance_testbed.vllm_ascend_standin import put_on_path
         put_on_path({order!r}, Path({str(root)!r}))
         sys.argv = ["entrypoint", "2", {json.dumps(options)!r}]
         runpy.run_module("tests.multiproc.entrypoint", run_name="__main__")

@@ -7,7 +7,7 @@ import pytest
 from conftest import session_pin_name
 from packaging.version import Version
 
-from pins import DISTRIBUTIONS, PIN_NAMES, read_pin, read_vllm_ascend_pins
+from balance_testbed.pins import DISTRIBUTIONS, PIN_NAMES, read_pin, read_vllm_ascend_pins
 
 
 def test_session_imports_the_vllm_its_pin_file_names():

@@ -13,12 +13,13 @@ import ast
 import inspect
 import textwrap
 
-import factories
 import vllm.v1.engine.core as core_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import DPEngineCoreProc, EngineCore, EngineCoreProc
+
+from balance_testbed import factories
 
 
 def assigned_self_attributes(cls: type) -> set[str]:

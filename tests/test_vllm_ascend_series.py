@@ -20,7 +20,8 @@ import shutil
 import subprocess
 
 import pytest
-from vllm_ascend_standin import (
+
+from balance_testbed.vllm_ascend_standin import (
     REPO,
     load_series_module,
     load_vllm_ascend_script,

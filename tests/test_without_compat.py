@@ -28,7 +28,7 @@ CHILD = textwrap.dedent(
     import sys
     sys.modules["vllm_balance.compat"] = None  # import vllm_balance.compat -> ImportError
     import torch
-    import factories
+    from balance_testbed import factories
     import vllm_balance
     from vllm_balance import activation, plugin
     from vllm_balance.shim.scheduler import BalanceScheduler

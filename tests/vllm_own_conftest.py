@@ -19,12 +19,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # the scheduler.
 import vllm_own_side  # noqa: E402
 from vllm.config import DeviceConfig, ModelConfig, VllmConfig  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-# This repository's test factories (tests/factories.py); vLLM's own tests/ is the `tests` package.
-sys.path.append(os.environ["VLLM_BALANCE_TESTS_DIR"])
-from factories import tiny_model_dir  # noqa: E402
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+# This repository's test factories (the test bed); vLLM's own tests/ is the `tests` package.
+from balance_testbed.factories import tiny_model_dir  # noqa: E402
 
 _BALANCE_CLASSES = {}
 if os.environ.get("VLLM_BALANCE_SIDE") == "balance":
@@ -52,11 +51,13 @@ if os.environ.get("VLLM_BALANCE_SIDE") == "balance":
 elif os.environ.get("VLLM_BALANCE_SIDE") == "vllm-ascend":
     # vllm-ascend's own balance module (run_vllm_tests.py --vllm-ascend): only that module, under
     # an empty vllm_ascend.patch.platform package (its __init__ would apply every platform
-    # patch); torch_npu from tests/ascend_standin/. Balance on, one DP rank: the gate is open.
+    # patch); torch_npu from testbed/ascend_standin/. Balance on, one DP rank: the gate is open.
     import types
 
     _root = os.environ["VLLM_BALANCE_ASCEND_ROOT"]
-    sys.path[:0] = [_root, os.path.join(os.environ["VLLM_BALANCE_TESTS_DIR"], "ascend_standin")]
+    from balance_testbed.vllm_ascend_standin import STUBS_ROOT
+
+    sys.path[:0] = [_root, str(STUBS_ROOT)]
     import vllm_ascend.patch
 
     _platform = types.ModuleType("vllm_ascend.patch.platform")

@@ -64,10 +64,10 @@ def extra_conflicts(wheel: Path, sdist: Path) -> list[str]:
 
 
 def activates_through_the_entry_point() -> str:
-    import factories
     import vllm.plugins
     from vllm.v1.engine.core import EngineCoreProc
 
+    from balance_testbed import factories
     from vllm_balance import activation
 
     vllm.plugins.load_general_plugins()

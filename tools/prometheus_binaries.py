@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-# The cache of upstream_patch/seam_patch.py's sdists (read here, not imported: this script
+# The cache of testbed/balance_testbed/seam_patch.py's sdists (read here, not imported: this script
 # needs only the standard library).
 CACHE = Path(os.environ.get("VLLM_BALANCE_CACHE", Path.home() / ".cache" / "vllm-balance"))
 PACKAGE = "prometheus"

@@ -23,15 +23,14 @@ import sys
 from pathlib import Path
 
 from packaging.version import Version
-from seam_patch import all_series, serving_series
 
-from pins import PIN_NAMES, read_pin
+from balance_testbed.pins import PIN_NAMES, read_pin
+from balance_testbed.records import EVIDENCE, FINGERPRINTS
+from balance_testbed.seam_patch import all_series, serving_series
 
 ROOT = Path(__file__).resolve().parent.parent
 
 DOC = ROOT / "docs" / "support-matrix.md"
-EVIDENCE = ROOT / "docs" / "reach-evidence.json"
-FINGERPRINTS = ROOT / "compat" / "fingerprints.json"
 DATE_PREFIX = "Generated on "
 # A generated block of a document: between these two lines; the prose around it is written in the
 # document itself (its one place) and kept as it is.

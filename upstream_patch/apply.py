@@ -29,7 +29,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from seam_patch import (
+from balance_testbed.seam_patch import (
     SCHEDULER_PATH,
     SEAM_METHOD,
     Match,

@@ -53,7 +53,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from packaging.version import Version
-from seam_patch import (
+
+from balance_testbed.seam_patch import (
     PATCH_ROOT,
     SCHEDULER_PATH,
     SEAM_METHOD,
@@ -69,7 +70,6 @@ from seam_patch import (
     release_files,
     serving_series,
 )
-
 from vllm_balance.slot_check import holds_fresh_requests_only, slot_checks
 
 PATCH_NAME = "seam.patch"

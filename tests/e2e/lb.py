@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from vllm.utils.network_utils import get_open_port
 from vllm_balance_e2e_plugins.step_timing import STEP_DIR_ENV
 
-from tests.e2e.load import Outcome, Stall, make_prompts, send_concurrently
-from tests.e2e.multinode import step_records
-from tests.e2e.runs import BALANCE_ON, LOAD_REQUESTS, STALL_S, Mode, RunCache
-from tests.e2e.server import (
+from balance_testbed.load import Outcome, Stall, make_prompts, send_concurrently
+from balance_testbed.server import (
+    BALANCE_ON,
     EXTERNAL_LB,
     HYBRID_LB,
     MULTI_PORT_LB,
@@ -35,6 +34,8 @@ from tests.e2e.server import (
     ServerError,
     VllmServer,
 )
+from tests.e2e.multinode import step_records
+from tests.e2e.runs import LOAD_REQUESTS, STALL_S, Mode, RunCache
 
 LOOPBACK = "127.0.0.1"
 

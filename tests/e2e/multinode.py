@@ -31,18 +31,9 @@ import pytest
 from vllm_balance_e2e_plugins.step_timing import STEP_DIR_ENV
 from vllm_balance_e2e_plugins.variants import VARIANT_ENV
 
-from tests.e2e.load import BackgroundLoad, Outcome, make_prompts
-from tests.e2e.netns import Host, TwoHosts, namespace_refusal, tcp_peers
-from tests.e2e.runs import (
+from balance_testbed.load import BackgroundLoad, Outcome, make_prompts
+from balance_testbed.server import (
     MODEL_DTYPE,
-    MODES,
-    ROOT,
-    Mode,
-    RunCache,
-    probe_after_the_load,
-    serve_the_load,
-)
-from tests.e2e.server import (
     STARTUP_TIMEOUT_S,
     STOP_TIMEOUT_S,
     DPNode,
@@ -52,6 +43,8 @@ from tests.e2e.server import (
     engine_core_main_frames,
     process_name,
 )
+from tests.e2e.netns import Host, TwoHosts, namespace_refusal, tcp_peers
+from tests.e2e.runs import MODES, Mode, RunCache, probe_after_the_load, serve_the_load
 from tests.multiproc.watchdog_log import watchdog_lines
 
 # Inside the namespaces: nothing else listens there, so fixed ports are free.
@@ -152,7 +145,6 @@ def node_spec(base: ServerSpec, hosts: TwoHosts, host: Host, rank: int, workdir:
         **base.env,
         **dict(zip(NODE_ENV, (host.interface, host.address))),
         STEP_DIR_ENV: str(workdir),
-        "PYTHONPATH": str(ROOT),  # the headless launcher is tests.e2e.vllm_serve
     }
     variant = os.environ.get(HEADLESS_VARIANT_ENV)
     if variant and node.headless:

@@ -34,6 +34,14 @@ from pathlib import Path
 from vllm.utils.network_utils import get_open_port
 from vllm_balance_e2e_plugins.step_timing import STEP_DIR_ENV
 
+from balance_testbed.server import (
+    STOP_TIMEOUT_S,
+    ServerError,
+    VllmServer,
+    identity,
+    running,
+    session_pids,
+)
 from tests.e2e.multinode import step_records
 from tests.e2e.ray_site.sitecustomize import RAY_DEVICE_KEY_ENV
 from tests.e2e.runs import (
@@ -44,14 +52,6 @@ from tests.e2e.runs import (
     ServerRun,
     probe_after_the_load,
     serve_the_load,
-)
-from tests.e2e.server import (
-    STOP_TIMEOUT_S,
-    ServerError,
-    VllmServer,
-    identity,
-    running,
-    session_pids,
 )
 
 LOOPBACK = "127.0.0.1"

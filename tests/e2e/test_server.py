@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.runs import (
+from balance_testbed.server_log import (
     BALANCE_PREFIX,
-    LOAD_REQUESTS,
-    MODES,
-    WAVES,
     activation_lines,
     balance_metrics_per_engine,
     last_stats_per_rank,
@@ -23,6 +20,7 @@ from tests.e2e.runs import (
     metrics_as_log_lines,
     stats_lines_per_rank,
 )
+from tests.e2e.runs import LOAD_REQUESTS, MODES, WAVES
 
 # The first test of a mode starts its server (bounded: start-up 600 s, load 600 s, stop 60 s).
 pytestmark = pytest.mark.timeout(1800)

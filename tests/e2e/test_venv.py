@@ -6,7 +6,7 @@ import importlib.metadata
 
 import pytest
 
-from pins import read_pin
+from balance_testbed.pins import read_pin
 from tests.e2e.runs import VLLM_DISTRIBUTION
 
 

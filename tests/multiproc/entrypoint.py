@@ -29,7 +29,7 @@ async def drive(dp_size: int, options: dict | None = None) -> dict:
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.engine.core_client import EngineCoreClient
 
-    from tests.factories import make_vllm_config
+    from balance_testbed.factories import make_vllm_config
     from tests.multiproc.standin import StandInExecutor
     from tests.multiproc.traces import CAP
 

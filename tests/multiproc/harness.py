@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from balance_testbed.stack_dumps import main_thread_frames
 from tests.multiproc.events import (
     Abort,
     Add,
@@ -95,16 +96,6 @@ def _pid_exists(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_DEAD
     except psutil.NoSuchProcess:
         return False
-
-
-def main_thread_frames(stack_dump: str) -> list[str]:
-    """Function names (innermost first) of the thread running the engine-core busy loop."""
-    threads = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack_dump)
-    for thread in reversed(threads):  # the latest dump comes last
-        frames = re.findall(r'File "[^"]+", line \d+ in (\S+)', thread)
-        if "run_busy_loop" in frames:
-            return frames
-    return []
 
 
 # ---------------------------------------------------------------- the cluster

@@ -10,9 +10,10 @@ import vllm.v1.engine.core  # noqa: F401
 import vllm.v1.engine.utils  # noqa: F401
 from vllm.config import SchedulerConfig  # noqa: F401
 
-import tests.factories  # noqa: F401
+import balance_testbed.factories  # noqa: F401
 import vllm_balance.activation  # noqa: F401
 import vllm_balance.plugin  # noqa: F401
 import vllm_balance.registry  # noqa: F401
 import vllm_balance.shim.engine_core  # noqa: F401
-from tests.multiproc import rank, standin, variants  # noqa: F401
+from balance_testbed import variants  # noqa: F401
+from tests.multiproc import rank, standin  # noqa: F401

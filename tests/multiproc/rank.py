@@ -108,7 +108,7 @@ def _instrument_scheduler_selection() -> None:
 
 
 def build_config(spec: dict) -> Any:
-    from tests.factories import make_vllm_config
+    from balance_testbed.factories import make_vllm_config
 
     additional = {} if spec["mode"] == "baseline" else {"enable_balance_scheduling": True}
     additional.update(spec.get("additional_config", {}))
@@ -138,7 +138,7 @@ def run(spec: dict) -> None:
         entry = EngineCoreProc.run_engine_core
     else:
         import vllm_balance
-        from tests.multiproc import variants
+        from balance_testbed import variants
         from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
 
         entry = RUN_ENGINE_CORE_WRAPPER.upstream()

@@ -58,7 +58,7 @@ def _engine(vllm_config: Any, scheduler: Any, executor: WorkerRpcStandIn) -> Any
 
 
 def _step(engine: Any, adds: int, label: str) -> dict:
-    from tests import factories
+    from balance_testbed import factories
 
     scheduler = engine.scheduler
     requests = factories.make_requests(adds, prompt_len=8, max_tokens=MAX_TOKENS, prefix=label)
@@ -149,7 +149,7 @@ def _resize(engine: Any, spec: dict) -> None:
 
 def run(spec: dict) -> dict:
     import vllm_balance
-    from tests import factories
+    from balance_testbed import factories
 
     config = factories.make_vllm_config(
         moe=True,

@@ -198,7 +198,7 @@ class StandInWorker:
 
         import vllm.v1.engine.core as engine_core_module
 
-        from tests.vllm_ascend_standin import qualified, vllm_name_facts
+        from balance_testbed.vllm_ascend_standin import qualified, vllm_name_facts
         from vllm_balance.registry import DP_ENGINE_CORE_SWAP, RUN_ENGINE_CORE_WRAPPER
 
         # The engine core is not reachable from an executor (and gc.get_objects() misses it:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from balance_testbed.stack_dumps import main_thread_frames
 from tests.multiproc.events import Hang
-from tests.multiproc.harness import Cluster, main_thread_frames
+from tests.multiproc.harness import Cluster
 from tests.multiproc.invariants import check_trace
 from tests.multiproc.traces import (
     DP_SIZES,

@@ -26,8 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from junit import junit_outcomes
 from mutants import MUTANTS
+
+from balance_testbed.junit import junit_outcomes
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

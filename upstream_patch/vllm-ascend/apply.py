@@ -14,23 +14,18 @@ mbox files (rewrites expanded against the checkout) for ``git am --keep-non-patc
 ``--export`` goes the other way: the checkout's commits since the base become the series' files.
 
 Runs with any Python 3.10+ and git: ``python upstream_patch/vllm-ascend/apply.py`` from the
-package's checkout needs no ``PYTHONPATH`` (its one import from ``upstream_patch/`` is found
-through the folder above this one). Sign the commits off before sending:
+package's checkout needs no ``PYTHONPATH`` and nothing installed (its only import, ``series``, sits
+beside it). Sign the commits off before sending:
 ``git rebase --signoff <start>``.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-# seam_patch.py (git helpers) sits one folder up; a script's own folder is on sys.path, that one
-# is not, and this script is run by path from a plain python, not from a nox venv.
-sys.path.append(str(Path(__file__).resolve().parents[1]))
-
-from series import (  # noqa: E402
+from series import (
     CHECK_IDENTITY,
     PRS,
     PatchError,

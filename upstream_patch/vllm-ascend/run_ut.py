@@ -3,7 +3,7 @@
     python upstream_patch/vllm-ascend/run_ut.py <vllm-ascend work tree> [FILE ...] [--report F]
 
 With no FILE, the files the series here touch or depend on (``UT_FILES``). Each file runs in its
-own ``pytest --noconftest`` process from the tree's root, with ``tests/ascend_standin/`` (a
+own ``pytest --noconftest`` process from the tree's root, with ``testbed/ascend_standin/`` (a
 ``torch_npu`` stand-in) on the path and a generated ``vllm_ascend/_build_info.py`` (vllm-ascend's
 build writes it; it is in vllm-ascend's .gitignore). ``--noconftest``: vllm-ascend's UT conftest
 imports a multimodal model chain that needs ``torchvision``, which has no CPU build for the torch
@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-STANDIN = REPO / "tests" / "ascend_standin"
+from balance_testbed.vllm_ascend_standin import STUBS_ROOT as STANDIN
+
 BUILD_INFO = "vllm_ascend/_build_info.py"
 UT_FILES = (
     "tests/ut/patch/platform/test_patch_balance_schedule.py",
@@ -45,7 +45,7 @@ def write_build_info(tree: Path) -> None:
 
 def run_file(tree: Path, path: str, *pytest_args: str, env: dict | None = None) -> dict:
     """pytest on one file of ``tree`` in a child process: its outcome counts (``tally``)."""
-    from junit import junit_outcomes, tally
+    from balance_testbed.junit import junit_outcomes, tally
 
     with tempfile.TemporaryDirectory() as scratch:
         junit = Path(scratch) / "junit.xml"

@@ -27,9 +27,28 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from seam_patch import PatchError, git
-
 HERE = Path(__file__).resolve().parent
+
+
+# NOTE: PatchError and git() have a twin in balance_testbed.seam_patch (the vLLM series). These
+# scripts run from a vllm-ascend checkout with a plain python (apply.py), where this repository's
+# test bed is not installed, so they need nothing beyond the standard library and git.
+class PatchError(RuntimeError):
+    """A series that does not apply; the message is one line, fit for a command-line error."""
+
+
+def git(
+    repo: Path, *args: str, env: dict | None = None, check: bool = True, stdin: str = ""
+) -> subprocess.CompletedProcess:
+    """``git -C repo ARGS``; with ``check``, a failure raises PatchError with git's first line."""
+    result = subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, env=env, input=stdin
+    )
+    if check and result.returncode != 0:
+        lines = [ln.strip() for ln in (result.stderr or result.stdout).splitlines() if ln.strip()]
+        raise PatchError(f"git {' '.join(args)}: {lines[0] if lines else '(no output)'}")
+    return result
+
 
 # vllm-ascend main, fetched 2026-11-30: "[Test] add memcache dsv4-flash weekly case (#14760)".
 BASE_COMMIT = "182b75ea84ff13ece27b57391331ef8935410aea"

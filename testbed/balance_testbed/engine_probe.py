@@ -22,7 +22,8 @@ from pathlib import Path
 def _report(engine_core, vllm_config, report_path: str) -> None:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.engine.core import EngineCoreProc
-    from vllm_ascend_standin import qualified, vllm_name_facts
+
+    from balance_testbed.vllm_ascend_standin import qualified, vllm_name_facts
 
     scheduler_cls = vllm_config.scheduler_config.scheduler_cls
     report = {

@@ -12,7 +12,7 @@ diverges, it does not crash the test); one of the unpatched baseline is a test e
 may throttle prefill as vLLM's DP engine core does (``Workload.prefill_interval``), which is what
 reads the capacity flag.
 
-The two classes come from upstream_patch/seam_patch.py: the installed module, and a copy of its
+The two classes come from balance_testbed/seam_patch.py: the installed module, and a copy of its
 source with the series applied (or reverted, when the installed vLLM is the seamed one) loaded
 under another module name. Used by tests/test_seam_neutrality.py (which ``nox -s reach --seam``
 runs per release) and by ``benchmarks/run.py --parts seam``.
@@ -25,9 +25,9 @@ import re
 from dataclasses import dataclass
 from types import ModuleType
 
-import factories
-from lockstep import Side, Workload, lockstep, vllm_config
-from seam_patch import (
+from balance_testbed import factories
+from balance_testbed.lockstep import Side, Workload, lockstep, vllm_config
+from balance_testbed.seam_patch import (
     SCHEDULER_MODULE,
     SEAM_METHOD,
     installed_version,

@@ -1,7 +1,7 @@
 """Stand-in for ``torch_npu`` (Ascend's PyTorch backend), which cannot load without the Ascend
 toolkit: just enough for vllm-ascend's platform patches and plugins to import on CPU.
 
-Written for this repository (tests/ascend_standin/README.md). Everything in ``torch_npu`` is device
+Written for this repository (its README.md). Everything in ``torch_npu`` is device
 code, so every name and submodule vllm-ascend imports from it (``torch_npu._C``,
 ``torch_npu._C._distributed_c10d``, ``npu_fusion_attention``, dtype constants, ...) is a
 ``MagicMock``: PEP 562's module ``__getattr__`` for names, a meta-path finder for submodules. What

@@ -9,7 +9,7 @@ Prompts alternate between the completions and chat endpoints and spread their ou
 so requests admitted together do not finish together and ranks drain at different times: the
 load that makes a DP=2 server with ``--max-num-seqs 4`` hit the cap and freeze admission.
 
-    python -m tests.e2e.load --port 8000      # from the checkout: docs/operations.md's load
+    python -m balance_testbed.load --port 8000      # from the checkout: docs/operations.md's load
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tests.e2e.tiny_moe import CORPUS
+from balance_testbed.tiny_moe import CORPUS
 
-MODEL_NAME = "tiny-moe"  # --served-model-name in tests.e2e.server
+MODEL_NAME = "tiny-moe"  # --served-model-name in balance_testbed.server
 KINDS = ("completion", "chat")
 
 
@@ -198,7 +198,7 @@ class BackgroundLoad(threading.Thread):
 # ------------------------------------------------------------------------ the command
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m tests.e2e.load",
+        prog="python -m balance_testbed.load",
         description="Send concurrent streamed requests (completions and chat, greedy, output "
         f"lengths spread) to a server serving {MODEL_NAME!r}, as the e2e tests do, and report "
         "how many came back with their requested token count. Exit status 0 when all did.",

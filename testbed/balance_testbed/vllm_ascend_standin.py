@@ -2,7 +2,7 @@
 
 The source is the sdist of a release in ``pins/vllm-ascend.txt``, fetched from the package
 registry (``seam_patch.fetch_sdist``) and unpacked once into the cache; what an Ascend host
-would add is stood in (``tests/ascend_standin/README.md``). A release's source runs only on the
+would add is stood in (``testbed/ascend_standin/README.md``). A release's source runs only on the
 vLLM it targets, so tests use ``release_for_installed_vllm()`` and skip with the reason elsewhere.
 
 vllm-ascend registers a torch op when its platform patches are imported, and a second import in
@@ -31,9 +31,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-STUBS_ROOT = HERE / "ascend_standin"
-REPO = HERE.parent
+from balance_testbed import REPO
+
+STUBS_ROOT = REPO / "testbed" / "ascend_standin"
 ORDERS = ("ascend-first", "ours-first")
 OUR_PLUGIN = "balance_scheduling"
 GENERAL_PLUGINS = "vllm.general_plugins"
@@ -69,14 +69,14 @@ def installed_vllm_version() -> str:
 def release_for_installed_vllm():
     """The pinned vllm-ascend release (``pins.AscendPin``) that targets the installed vLLM, or
     None; ``skip_reason()`` says why not."""
-    from pins import read_vllm_ascend_pins
+    from balance_testbed.pins import read_vllm_ascend_pins
 
     version = installed_vllm_version()
     return next((pin for pin in read_vllm_ascend_pins() if pin.vllm == version), None)
 
 
 def skip_reason() -> str:
-    from pins import read_vllm_ascend_pins
+    from balance_testbed.pins import read_vllm_ascend_pins
 
     pairs = ", ".join(f"{p.release} on vLLM {p.vllm}" for p in read_vllm_ascend_pins())
     return (
@@ -86,7 +86,7 @@ def skip_reason() -> str:
 
 
 def _cache() -> Path:
-    from seam_patch import CACHE
+    from balance_testbed.seam_patch import CACHE
 
     return CACHE
 
@@ -113,7 +113,7 @@ def series_for(release: str, pr: str) -> Path | None:
 def sdist_tree(release: str, into: Path) -> Path:
     """The release's sdist unpacked under ``into`` as a one-commit git tree (its blob ids are
     the tag's, so the series' rewrites check out); returns the tree."""
-    from seam_patch import fetch_sdist
+    from balance_testbed.seam_patch import fetch_sdist
 
     with tarfile.open(fetch_sdist(release, "vllm-ascend")) as tar:
         tar.extractall(into, filter="data")
@@ -130,7 +130,7 @@ def prepared_root(release: str, vllm: str, series: Path | None = None) -> Path:
     ``_build_info.py``, and a dist-info carrying its general-plugin entry points. With
     ``series``, the series is applied first (``series.apply_series`` on the unpacked sdist made
     a git tree). Made once per release and series content, under the cache."""
-    from seam_patch import fetch_sdist
+    from balance_testbed.seam_patch import fetch_sdist
 
     key = release
     if series is not None:
@@ -411,7 +411,7 @@ class ProbedTarget:
     load_general_plugins: bool = True
 
     def __call__(self, *args, **kwargs):
-        from engine_probe import install_probe
+        from balance_testbed.engine_probe import install_probe
 
         install_probe(self.report, self.load_general_plugins)
         record_balance_log()

@@ -30,7 +30,9 @@ from types import ModuleType
 
 from packaging.version import InvalidVersion, Version
 
-PATCH_ROOT = Path(__file__).resolve().parent
+from balance_testbed import REPO
+
+PATCH_ROOT = REPO / "upstream_patch"
 # The alternative to the seam alone: balance scheduling in vLLM itself, stacked on the seam
 # (in-tree/README.md). Same layout: one directory of patches per ref.
 IN_TREE_ROOT = PATCH_ROOT / "in-tree"

