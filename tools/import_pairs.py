@@ -5,7 +5,8 @@ to the folder that defines the module, counted per ordered pair of folders.
     python tools/import_pairs.py            # the table
     python tools/import_pairs.py --check    # exit 1: a pair both ways, an import up, a bare name
 
-Support code imports one way (product <- test bed <- tools, upstream_patch, benchmarks <- tests),
+Support code imports one way (product <- simulator <- test bed <- tools, upstream_patch, benchmarks
+<- tests),
 each by an explicit import name (``balance_testbed.pins``, ``tools.support_matrix``). A *bare*
 name is a module of another folder imported as if it were a neighbour (``import pins`` from
 tests/): it works only with that folder on the path. A script's own folder is on its path, so a
@@ -24,14 +25,16 @@ ROOT = Path(__file__).resolve().parent.parent
 # Each top-level folder's layer: an import may go to a lower layer, or across within one, never up.
 LAYERS = {
     **dict.fromkeys(("vllm_balance", "shim", "compat"), 0),  # the product
-    "testbed": 1,
-    **dict.fromkeys(("tools", "upstream_patch", "benchmarks"), 2),
-    "tests": 3,
+    "balance_sim": 1,  # drives the product; ships beside it in the wheel
+    "testbed": 2,
+    **dict.fromkeys(("tools", "upstream_patch", "benchmarks"), 3),
+    "tests": 4,
 }
 FOLDERS = tuple(LAYERS)
 # Installed import names and the folder that holds them.
 PACKAGES = {
     "vllm_balance": "vllm_balance",
+    "balance_sim": "balance_sim",
     "balance_testbed": "testbed",
     "vllm_balance_e2e_plugins": "testbed",
     **{name: name for name in ("tests", "tools", "upstream_patch", "benchmarks")},
