@@ -133,7 +133,7 @@ for _name, (_pin, _seam) in TEST_SESSIONS.items():
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """pre-commit (ruff check, ruff format --check, mypy on shim/ and compat/, docs links), then
+    """pre-commit (ruff check, ruff format --check, mypy over the product, docs links), then
     the docs' commands (every session exists, every script answers --help) and the support matrix
     is current: once per CI run, the docs being the same text in every test session."""
     session.install("pre-commit==4.7.0")

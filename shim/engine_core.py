@@ -1,26 +1,41 @@
-"""The DP engine core's part of balance scheduling: one gather per active step."""
+"""The DP engine core's part of balance scheduling: when to gather, once per active step."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.v1.engine.core import DPEngineCoreProc
 
+if TYPE_CHECKING:
+    from vllm_balance.shim.scheduler import BalanceSchedulerMixin
+
 
 class BalanceDPEngineCoreProc(DPEngineCoreProc):
-    """``DPEngineCoreProc`` that triggers the scheduler's gather and hands it the DP group.
+    """``DPEngineCoreProc`` that says when the scheduler gathers, and on which DP group.
 
-    The gather sits right after ``super()._has_global_unfinished_reqs()``, where the DP ranks have
-    just agreed on ``engines_running``: every rank enters it once per active step, and none when
-    all are idle. Inside ``schedule()`` (lesson A) or ``_process_engine_step()`` (lesson B) it
-    deadlocked in production (docs/design.md, "Where the gather sits, and the two deadlocks").
+    The gather is triggered from ``_has_global_unfinished_reqs``, after upstream's. Not because
+    the ranks have just agreed there: vLLM syncs ``engines_running`` only on a wave's first step
+    and every ``dp_sync_interval`` steps, returning True in between. Because ``run_busy_loop``
+    calls it exactly once per iteration on every rank while any rank runs (``engines_running``
+    is the same on every rank: the last agreed value, or True between syncs), after the step's
+    forward, which the MoE collectives lock-step; all ranks skip it together only when the agreed
+    value says all are idle. The scheduler does the gather (it owns the counts, the gate and the
+    watchdog); the engine core only says when, as vLLM's own DP policy, the prefill cadence, is
+    decided here and applied in ``schedule()``. Inside ``schedule()`` (lesson A) or
+    ``_process_engine_step()`` (lesson B) it deadlocked in production (docs/design.md, "Where the
+    gather sits, and the two deadlocks").
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.scheduler.follow_dp_group(self.dp_group)  # type: ignore[attr-defined]
+        self.balance_scheduler.follow_dp_group(self.dp_group)
 
-    @property  # type: ignore[override]
+    @property
+    def balance_scheduler(self) -> BalanceSchedulerMixin:
+        """The scheduler: activation builds a balance scheduler for every engine of this class."""
+        return cast("BalanceSchedulerMixin", self.scheduler)
+
+    @property
     def dp_group(self) -> Any:
         """vLLM's DP group. vLLM assigns it at start-up (before the scheduler exists) and again
         when it swaps in a group of another size, keeping the scheduler: an elastic-EP resize
@@ -37,5 +52,5 @@ class BalanceDPEngineCoreProc(DPEngineCoreProc):
 
     def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
         result = super()._has_global_unfinished_reqs(local_unfinished)
-        self.scheduler.balance_gather()  # type: ignore[attr-defined]
+        self.balance_scheduler.balance_gather()
         return result

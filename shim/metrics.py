@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm.v1.metrics.stats import SchedulerStats
@@ -39,6 +39,9 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm_balance.config import DEFAULT_LOG_INTERVAL_S, ENABLE_KEY, METRICS_ENV_VAR, read_options
 from vllm_balance.log import logger
 from vllm_balance.shim.stats import BalanceStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 # name (without "vllm:" and the "_total" prometheus_client adds), BalanceStats field, help text.
 COUNTERS = (
@@ -137,7 +140,7 @@ class BalanceStatLogger(AggregateStatLoggerBase):
     collector it finds then.
     """
 
-    def __init__(self, vllm_config: Any, engine_indexes: list[int]) -> None:
+    def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int]) -> None:
         self.model_name = vllm_config.model_config.served_model_name
         self.engine_indexes = list(engine_indexes)
         options = read_options(vllm_config)

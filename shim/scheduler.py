@@ -34,6 +34,7 @@ except ImportError:  # a vLLM without scheduler pause states
 
 
 if TYPE_CHECKING:  # what the mixin is put in front of, so that super() calls type-check
+    from vllm.config import VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler as _SchedulerBase
 else:
     _SchedulerBase = object
@@ -55,7 +56,7 @@ class BalanceSchedulerMixin(_SchedulerBase):
 
         def get_request_counts(self) -> tuple[int, int]: ...
 
-    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, vllm_config: VllmConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         options = read_options(vllm_config)  # None: balance off
         self._balance_enabled = options is not None

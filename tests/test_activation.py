@@ -58,6 +58,15 @@ def test_every_patch_is_reversible():
         assert patch.current() is before
 
 
+def test_every_patch_names_its_replacement_and_resolves_it_to_one_object():
+    # Readable statically: "module:name", or a function the entry names the same way, never a
+    # placeholder another module fills in at import; resolved once (is_installed() compares it).
+    for patch in registry.ALL_PATCHES + registry.TAKE_OVER_PATCHES:
+        named = patch.replacement
+        assert isinstance(named, str) or named.__module__ == registry.__name__, patch.name
+        assert patch.resolved() is patch.resolved(), patch.name
+
+
 def test_plugin_with_balance_off_leaves_every_upstream_class_identical():
     import vllm.v1.core.sched.async_scheduler as async_module
     import vllm.v1.core.sched.scheduler as scheduler_module

@@ -434,6 +434,34 @@ def test_contract3_one_all_gather_of_len_running_on_the_injected_group(
         )
 
 
+def test_contract3_one_gather_per_active_step_between_vllm_dp_syncs():
+    # vLLM syncs engines_running on a wave's first step and every dp_sync_interval steps only,
+    # returning True in between; the engine core triggers one gather on every step all the same.
+    from vllm_balance.shim.engine_core import BalanceDPEngineCoreProc
+
+    interval, steps = 4, 9
+    ranks = [balance_scheduler() for _ in range(2)]
+    if not hasattr(ranks[0].vllm_config.parallel_config, "dp_sync_interval"):
+        pytest.skip("this vLLM syncs its DP ranks on every step (no dp_sync_interval)")
+    engines = []
+    for scheduler, group in zip(ranks, gloo_groups(2)):
+        # What DPEngineCoreProc's own __init__ sets that its DP sync reads (no executor on CPU).
+        engine = BalanceDPEngineCoreProc.__new__(BalanceDPEngineCoreProc)
+        engine.vllm_config, engine.scheduler = scheduler.vllm_config, scheduler
+        engine.step_counter, engine.dp_sync_interval, engine.pending_pause = 0, interval, False
+        engine.dp_group = group  # handed to the scheduler, as at start-up
+        engines.append(engine)
+
+    def busy_loop(engine):  # no rank has work: a step that syncs says so, the others say True
+        return [engine._has_global_unfinished_reqs(False) for _ in range(steps)]
+
+    results = run_as_ranks(*(lambda engine=engine: busy_loop(engine) for engine in engines))
+    assert results[0] == results[1]
+    synced = [step for step, running in enumerate(results[0], start=1) if not running]
+    assert synced == [1, 4, 8]
+    assert [scheduler.balance_stats.gathers for scheduler in ranks] == [steps, steps]
+
+
 def test_contract3_gather_is_a_noop_until_a_group_is_injected(monkeypatch):
     spy = AllGatherSpy(monkeypatch)
     monkeypatch.setattr(collective, "reduce_running", None)  # a call would raise

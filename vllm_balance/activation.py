@@ -21,14 +21,15 @@ construction out of ``run_engine_core``), the swap silently stops working;
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from vllm_balance import registry
 from vllm_balance.config import (
     ENABLE_KEY,
     TAKE_OVER_ENV_VAR,
     TAKE_OVER_KEY,
     BalanceOptions,
+    additional_value,
     balance_requested,
     read_options,
 )
@@ -40,80 +41,70 @@ from vllm_balance.registry import (
     RUN_ENGINE_CORE_WRAPPER,
 )
 from vllm_balance.takeover import (
-    import_vllm_ascend_patches,
-    init_vllm_ascend_config,
-    is_vllm_ascend,
+    LOST_WITH_THE_TAKE_OVER,
+    TakeOverError,
+    foreign_balance_patches,
+    prepare_vllm_ascend,
     take_over,
 )
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 
 class BalanceConfigError(ValueError):
     """A configuration that enables balance scheduling but cannot honour it."""
 
 
-def _kv_role(vllm_config: Any) -> str | None:
+@dataclass(frozen=True)
+class BalanceDecision:
+    """Whether balance is activated in one engine process, and why (``balance_applies``)."""
+
+    enabled: bool  # the config enables balance scheduling
+    reason: str  # why it is (or is not) activated; a warning where enabled but not activated
+    options: BalanceOptions | None = None  # set exactly when it is activated
+    foreign: tuple[str, ...] = ()  # vllm-ascend's balance patches found (take-over mode)
+
+    @property
+    def active(self) -> bool:
+        return self.options is not None
+
+
+NOT_REQUESTED = BalanceDecision(False, "nothing in the config asks for balance scheduling")
+
+
+def _kv_role(vllm_config: VllmConfig) -> str | None:
     kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
     return getattr(kv_transfer_config, "kv_role", None) if kv_transfer_config else None
 
 
-def _foreign_balance_patches() -> list[str]:
-    """Upstream names that another package (vllm-ascend's own balance patch, DyntraLB) replaced.
+def balance_applies(
+    vllm_config: VllmConfig, options: BalanceOptions | None, foreign: list[str]
+) -> BalanceDecision:
+    """The decision for this engine process, from the config, its options (``read_options``)
+    and vllm-ascend's balance patches found in the process (``prepare_vllm_ascend``); raises on
+    impossible configs. Reads, never changes: ``decide()`` runs the steps before it.
 
-    vllm-ascend's built-in balance scheduling swaps the module-level ``Scheduler`` and wraps
-    ``run_engine_core`` (its DyntraLB patches the same places); two balance gates would gather
-    twice per step and disagree on the freeze. For ``run_engine_core`` what counts is what our
-    wrapper calls after deciding (a vllm-ascend wrapper there would swap ``DPEngineCoreProc``
-    behind our back; the first function below ours, no walk through another package's private
-    globals); a wrapper that called ours has already run, and what it swapped shows in the two
-    class names.
+    Its reasons and errors are the operator-facing validation table of docs/operations.md.
     """
-    import vllm.v1.core.sched.scheduler as scheduler_module
-    import vllm.v1.engine.core as core_module
-
-    candidates = {
-        "vllm.v1.core.sched.scheduler.Scheduler": scheduler_module.Scheduler,
-        "vllm.v1.engine.core.DPEngineCoreProc": core_module.DPEngineCoreProc,
-        "EngineCoreProc.run_engine_core": RUN_ENGINE_CORE_WRAPPER.upstream(),
-    }
-    return [
-        f"{name} -> {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
-        for name, obj in candidates.items()
-        if is_vllm_ascend(obj)
-    ]
-
-
-def balance_applies(vllm_config: Any) -> tuple[BalanceOptions, list[str]] | None:
-    """(options, foreign patches) where balance must be activated for this engine process, else
-    None; raises on impossible configs.
-
-    Warnings (balance requested but it cannot act, so nothing is installed) and errors are the
-    operator-facing validation table of docs/operations.md.
-    """
-    if vllm_config is None or not balance_requested(vllm_config):
-        return None  # balance off: nothing imported, initialised, read further or swapped
-    import_vllm_ascend_patches()  # wherever plugin order put them: check the final state
-    foreign = _foreign_balance_patches()
-    if foreign:  # vllm-ascend's own code initialises it in this process, whichever decides
-        init_vllm_ascend_config(vllm_config)
-    options = read_options(vllm_config)  # a bad key is an error wherever balance is asked for
     if options is None:
-        return None
+        return BalanceDecision(False, f"{ENABLE_KEY} is not true in this config")
     parallel_config = vllm_config.parallel_config
     # Refusals only where balance could act: elsewhere it installs nothing, so nothing conflicts.
     if parallel_config.data_parallel_size <= 1:
-        logger.warning(
-            "balance scheduling is enabled but data_parallel_size=%d: it has no effect "
-            "without data parallelism; nothing is installed",
-            parallel_config.data_parallel_size,
+        return BalanceDecision(
+            True,
+            "balance scheduling is enabled but data_parallel_size="
+            f"{parallel_config.data_parallel_size}: it has no effect without data parallelism; "
+            "nothing is installed",
         )
-        return None
     if not vllm_config.model_config.is_moe:
-        logger.warning(
+        return BalanceDecision(
+            True,
             "balance scheduling is enabled but the model is not MoE: vLLM runs dense DP ranks "
             "as independent engines with no cross-rank sync, so balance cannot act; "
-            "nothing is installed"
+            "nothing is installed",
         )
-        return None
     role = _kv_role(vllm_config)
     if role in ("kv_producer", "kv_consumer"):
         raise BalanceConfigError(
@@ -131,7 +122,37 @@ def balance_applies(vllm_config: Any) -> tuple[BalanceOptions, list[str]] | None
         )
     if getattr(parallel_config, "enable_fault_tolerance", False):
         raise BalanceConfigError(FAULT_TOLERANCE_REFUSAL)
-    return options, foreign
+    for key, lost in LOST_WITH_THE_TAKE_OVER.items() if foreign else ():
+        _, value = additional_value(vllm_config, key)  # vllm-ascend's <key>.enabled
+        if isinstance(value, dict) and value.get("enabled") is True:
+            raise TakeOverError(
+                f"{TAKE_OVER_KEY} cannot keep vllm-ascend's {key}: vllm-ascend {lost} that the "
+                f"take-over removes. Disable {key} or the take-over"
+            )
+    reason = f"DP={parallel_config.data_parallel_size}, MoE, PD-mixed"
+    return BalanceDecision(True, reason, options, tuple(foreign))
+
+
+def decide(vllm_config: VllmConfig | None) -> BalanceDecision:
+    """This process's decision, in the one order that is right; logs why not where balance is
+    enabled but cannot act.
+
+    1. ``balance_requested``: a read that imports and initialises nothing; balance off stops here
+       (nothing imported, initialised, read further or swapped).
+    2. ``prepare_vllm_ascend``: vllm-ascend's side effects (its platform patches, its
+       ``AscendConfig``), before the config is read: ``read_options`` reads the enable key from
+       ``AscendConfig`` first, which answers only once initialised; read earlier, it would see
+       ``additional_config`` where vllm-ascend sees its own parsed value.
+    3. ``read_options``, then ``balance_applies``: the options (a bad key is an error wherever
+       balance is asked for) and the pure decision.
+    """
+    if vllm_config is None or not balance_requested(vllm_config):
+        return NOT_REQUESTED
+    foreign = prepare_vllm_ascend(vllm_config)
+    decision = balance_applies(vllm_config, read_options(vllm_config), foreign)
+    if decision.enabled and not decision.active:
+        logger.warning("%s", decision.reason)
+    return decision
 
 
 # Why not followed: docs/design.md, "When the DP group changes, pauses or faults".
@@ -143,7 +164,7 @@ FAULT_TOLERANCE_REFUSAL = (
 )
 
 
-def select_scheduler_cls(vllm_config: Any) -> type:
+def select_scheduler_cls(vllm_config: VllmConfig) -> type:
     """Set the balance scheduler class on this process's config; returns it.
 
     A user-set ``scheduler_cls`` is kept only if it is already balance-aware: silently replacing
@@ -174,7 +195,7 @@ def select_scheduler_cls(vllm_config: Any) -> type:
 
 
 def activate_for(
-    vllm_config: Any,
+    vllm_config: VllmConfig | None,
     log_stats: bool | None = None,
     dp_rank: int | None = None,
     engine_core: type | None = None,
@@ -186,13 +207,13 @@ def activate_for(
     ``engine_core``: the class already chosen for this process (a Ray actor's, built by the API
     server: see ``RAY_ACTOR_MANAGER_WRAPPER``); None: the ``DPEngineCoreProc`` swap decides it.
     """
-    applies = balance_applies(vllm_config)
-    if applies is None:
+    decision = decide(vllm_config)
+    if decision.options is None:
         if engine_core is None:
             DP_ENGINE_CORE_SWAP.uninstall()
         return False
-    options, foreign = applies
-    _take_over_if_requested(vllm_config, options, foreign)
+    assert vllm_config is not None  # decided active on it
+    _take_over_if_requested(decision.options, list(decision.foreign))
     scheduler_cls = select_scheduler_cls(vllm_config)
     if engine_core is None:
         DP_ENGINE_CORE_SWAP.install()
@@ -215,7 +236,7 @@ def activate_for(
     return True
 
 
-def _take_over_if_requested(vllm_config: Any, options: BalanceOptions, foreign: list[str]) -> None:
+def _take_over_if_requested(options: BalanceOptions, foreign: list[str]) -> None:
     """Take-over mode (vllm_balance.takeover): balance_applies() let foreign patches through."""
     if not foreign:
         if options.take_over_vllm_ascend:
@@ -226,8 +247,8 @@ def _take_over_if_requested(vllm_config: Any, options: BalanceOptions, foreign: 
                 TAKE_OVER_ENV_VAR,
             )
         return
-    take_over(vllm_config, foreign)
-    left = _foreign_balance_patches()
+    take_over(foreign)
+    left = foreign_balance_patches()
     if left:
         raise BalanceConfigError(
             "balance scheduling could not take over from vllm-ascend: " + "; ".join(left)
@@ -241,10 +262,7 @@ def balance_run_engine_core(*args: Any, dp_rank: int = 0, local_dp_rank: int = 0
     return upstream(*args, dp_rank=dp_rank, local_dp_rank=local_dp_rank, **kwargs)
 
 
-RUN_ENGINE_CORE_WRAPPER.replacement = lambda: registry.static_wrapper(balance_run_engine_core)
-
-
-def choose_ray_actor_class(vllm_config: Any) -> bool:
+def choose_ray_actor_class(vllm_config: VllmConfig) -> bool:
     """The API server's decision for Ray engine-core actors; returns whether balance applies.
 
     With Ray, vLLM's ``CoreEngineActorManager`` (in the API server) resolves
@@ -254,15 +272,14 @@ def choose_ray_actor_class(vllm_config: Any) -> bool:
     ``run_engine_core``'s wrapper does: ``vllm_balance.shim.engine_core``). Bad keys and
     impossible configs are refused here, before any actor starts.
     """
-    applies = balance_applies(vllm_config) is not None
+    applies = decide(vllm_config).active
     (RAY_ACTOR_SWAP.install if applies else RAY_ACTOR_SWAP.uninstall)()
     return applies
 
 
-def balance_actor_manager_init(manager: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+def balance_actor_manager_init(
+    manager: Any, vllm_config: VllmConfig, *args: Any, **kwargs: Any
+) -> None:
     """Replacement for ``CoreEngineActorManager.__init__``: decide, then run upstream's."""
     choose_ray_actor_class(vllm_config)
     RAY_ACTOR_MANAGER_WRAPPER.upstream()(manager, vllm_config, *args, **kwargs)
-
-
-RAY_ACTOR_MANAGER_WRAPPER.replacement = lambda: balance_actor_manager_init

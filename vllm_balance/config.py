@@ -20,9 +20,12 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_balance.log import logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 ENABLE_KEY = "enable_balance_scheduling"
 DEPRECATED_ENV_VAR = "VLLM_ASCEND_BALANCE_SCHEDULING"
@@ -40,7 +43,7 @@ def _checked_bool(where: str, value: Any) -> bool:
     )
 
 
-def _additional_config(vllm_config: Any) -> dict:
+def _additional_config(vllm_config: VllmConfig) -> dict:
     additional = getattr(vllm_config, "additional_config", None) or {}
     if not isinstance(additional, dict):
         return {}
@@ -64,7 +67,7 @@ def _from_ascend_config() -> Any:
     return value
 
 
-def additional_value(vllm_config: Any, key: str) -> tuple[str, Any]:
+def additional_value(vllm_config: VllmConfig, key: str) -> tuple[str, Any]:
     """(where, value) of ``key``: the nested ``scheduler_config`` form wins over the top level."""
     additional = _additional_config(vllm_config)
     nested = additional.get("scheduler_config")
@@ -73,7 +76,7 @@ def additional_value(vllm_config: Any, key: str) -> tuple[str, Any]:
     return f"additional_config.{key}", additional.get(key, _UNSET)
 
 
-def _from_additional_config(vllm_config: Any) -> Any:
+def _from_additional_config(vllm_config: VllmConfig) -> Any:
     where, value = additional_value(vllm_config, ENABLE_KEY)
     return value if value is _UNSET else _checked_bool(where, value)
 
@@ -101,7 +104,7 @@ def _from_deprecated_env() -> Any:
     return value
 
 
-def balance_enabled(vllm_config: Any) -> bool:
+def balance_enabled(vllm_config: VllmConfig) -> bool:
     """Whether this config enables balance scheduling (see the module docstring);
     ``read_options``' first part."""
     value = _from_ascend_config()
@@ -125,7 +128,7 @@ def balance_enabled(vllm_config: Any) -> bool:
     return False
 
 
-def balance_requested(vllm_config: Any) -> bool:
+def balance_requested(vllm_config: VllmConfig) -> bool:
     """Whether anything asks for balance scheduling, read without importing or initialising
     anything: vllm-ascend's AscendConfig where it is already imported and initialised, the key in
     ``additional_config`` (either form, any value but ``false``: a bad value is then refused by
@@ -206,7 +209,9 @@ def _take_over_from_env() -> bool:
     return False if value is _UNSET else value
 
 
-def _seconds_or_off(vllm_config: Any, key: str, default: float, zero_means: str) -> float | None:
+def _seconds_or_off(
+    vllm_config: VllmConfig, key: str, default: float, zero_means: str
+) -> float | None:
     """A finite number of seconds >= 0 from ``key``; 0 means off (``None``)."""
     where, value = additional_value(vllm_config, key)
     if value is _UNSET:
@@ -221,7 +226,7 @@ def _seconds_or_off(vllm_config: Any, key: str, default: float, zero_means: str)
     return float(value) or None
 
 
-def balance_options(vllm_config: Any) -> BalanceOptions:
+def balance_options(vllm_config: VllmConfig) -> BalanceOptions:
     """The tuning keys, each checked (``read_options``' second part, after the enable key)."""
     interval = _seconds_or_off(
         vllm_config, LOG_INTERVAL_KEY, DEFAULT_LOG_INTERVAL_S, "0 turns the log line off"
@@ -250,7 +255,7 @@ def balance_options(vllm_config: Any) -> BalanceOptions:
     )
 
 
-def read_options(vllm_config: Any) -> BalanceOptions | None:
+def read_options(vllm_config: VllmConfig) -> BalanceOptions | None:
     """This config's options where it enables balance scheduling, else None (keys then unread).
 
     The one reader of a ``VllmConfig``: the activation, the balance scheduler and the API

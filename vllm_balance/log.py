@@ -10,13 +10,15 @@ lose its INFO lines in an engine process. Sharing the handler keeps one format a
 from __future__ import annotations
 
 import logging
+from typing import Any, cast
 
 try:
     from vllm.logger import init_logger  # configures the "vllm" logger on import
-except ImportError:  # a script's --help without vLLM (upstream_patch/vllm-ascend/phase2a.py)
-    init_logger = logging.getLogger
 
-logger = init_logger("vllm_balance")
+    logger = init_logger("vllm_balance")
+except ImportError:  # a script's --help without vLLM (upstream_patch/vllm-ascend/phase2a.py):
+    # a plain logger; nothing that calls the *_once methods runs there.
+    logger = cast(Any, logging.getLogger("vllm_balance"))
 
 
 def _share_vllm_handlers() -> None:

@@ -30,9 +30,13 @@ from vllm_balance.log import logger
 
 
 def register() -> None:
-    from vllm_balance.activation import RAY_ACTOR_MANAGER_WRAPPER, RUN_ENGINE_CORE_WRAPPER
     from vllm_balance.config import metrics_decoding_requested
-    from vllm_balance.registry import STATS_DECODED_WITH_BALANCE, ray_backend_present
+    from vllm_balance.registry import (
+        RAY_ACTOR_MANAGER_WRAPPER,
+        RUN_ENGINE_CORE_WRAPPER,
+        STATS_DECODED_WITH_BALANCE,
+        ray_backend_present,
+    )
     from vllm_balance.takeover import import_vllm_ascend_patches
 
     import_vllm_ascend_patches()

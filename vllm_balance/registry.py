@@ -6,8 +6,11 @@ Each is reversible (``install()`` / ``uninstall()``), so tests can apply and rem
 Scheduler classes are not patched: they are chosen per engine process through
 ``scheduler_config.scheduler_cls`` (see ``vllm_balance.activation``).
 
-The registry imports nothing of this package but the shim: the modules that own a replacement
-(``activation``, ``takeover``) import it and set theirs at import time (``provided_by``).
+Each entry names what it installs: ``"module:name"``, imported when the entry is first installed
+or compared (so this module imports nothing of the package, and ``activation`` / ``takeover`` may
+import it), or the object itself. ``computed=True``: the name is a function that returns the
+object, built from what the entry stands in front of. ``static=True``: installed as a
+staticmethod. Nothing assigns an entry's replacement at import.
 
 ``TAKE_OVER_PATCHES`` are installed only in take-over mode (``vllm_balance.takeover``): they put
 back the vLLM objects that vllm-ascend's own balance patch replaced, before this package's own
@@ -22,6 +25,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def resolve(name: str) -> Any:
+    """The object ``"package.module:attribute"`` names (the module imported if need be)."""
+    module, _, attribute = name.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+_STATICS: dict[Any, staticmethod] = {}
+
+
+def _static(function: Any) -> staticmethod:
+    # One staticmethod object per function, so is_installed() can compare by identity.
+    if isinstance(function, staticmethod):
+        return function
+    return _STATICS.setdefault(function, staticmethod(function))
+
+
 @dataclass
 class RuntimePatch:
     """One attribute of a vLLM object replaced at run time (its paperwork: the comment above it)."""
@@ -29,20 +48,35 @@ class RuntimePatch:
     name: str
     owner: Callable[[], Any]  # returns the object whose attribute is replaced
     attribute: str
-    replacement: Callable[[], Any]  # returns the value installed
+    # What install() puts there: "module:name" (resolved once, on first use) or the object.
+    replacement: Any
+    computed: bool = False  # the replacement is a function returning the object to install
+    static: bool = False  # installed as a staticmethod of the owner class
     _original: Any = field(default=None, repr=False)
+    _resolved: tuple[Any, Any] | None = field(default=None, repr=False)  # (replacement, object)
+
+    def resolved(self) -> Any:
+        """The object install() puts there: the same object at every call while the state a
+        computed replacement reads holds (``is_installed()`` compares by identity)."""
+        if self._resolved is None or self._resolved[0] is not self.replacement:
+            named = self.replacement
+            self._resolved = (named, resolve(named) if isinstance(named, str) else named)
+        value = self._resolved[1]
+        if self.computed:
+            value = value()
+        return _static(value) if self.static else value
 
     def current(self) -> Any:
         return self.owner().__dict__[self.attribute]
 
     def is_installed(self) -> bool:
-        return self.current() is self.replacement()
+        return self.current() is self.resolved()
 
     def install(self) -> None:
         if self.is_installed():
             return
         self._original = self.current()
-        setattr(self.owner(), self.attribute, self.replacement())
+        setattr(self.owner(), self.attribute, self.resolved())
 
     def uninstall(self) -> None:
         # Only what install() put there: a take-over entry whose replacement is already in place
@@ -79,34 +113,6 @@ def engine_core_module() -> Any:
     return vllm.v1.engine.core
 
 
-_STATICS: dict[Any, staticmethod] = {}
-
-
-def static_wrapper(function: Any) -> staticmethod:
-    # One staticmethod object per function, so is_installed() can compare by identity.
-    return _STATICS.setdefault(function, staticmethod(function))
-
-
-def provided_by(module: str) -> Callable[[], Any]:
-    """An entry's replacement until ``module`` (which imports this registry, never the reverse)
-    sets the real one at its import; called first, it imports ``module`` and defers to it."""
-
-    def placeholder() -> Any:
-        patch = next(p for p in ALL_PATCHES + TAKE_OVER_PATCHES if p.replacement is placeholder)
-        importlib.import_module(module)
-        if patch.replacement is placeholder:
-            raise RuntimeError(f"{module} did not set the replacement of {patch.name}")
-        return patch.replacement()
-
-    return placeholder
-
-
-def _balance_dp_engine_core() -> Any:
-    from vllm_balance.shim.engine_core import BalanceDPEngineCoreProc
-
-    return BalanceDPEngineCoreProc
-
-
 # EngineCoreProc.run_engine_core
 #   Why:
 #     vLLM has no extension point to pick the DP engine-core class or the scheduler per config;
@@ -125,7 +131,8 @@ RUN_ENGINE_CORE_WRAPPER = RuntimePatch(
     name="EngineCoreProc.run_engine_core",
     owner=_engine_core_proc,
     attribute="run_engine_core",
-    replacement=provided_by("vllm_balance.activation"),
+    replacement="vllm_balance.activation:balance_run_engine_core",
+    static=True,
 )
 
 # vllm.v1.engine.core.DPEngineCoreProc
@@ -143,7 +150,7 @@ DP_ENGINE_CORE_SWAP = RuntimePatch(
     name="vllm.v1.engine.core.DPEngineCoreProc",
     owner=engine_core_module,
     attribute="DPEngineCoreProc",
-    replacement=_balance_dp_engine_core,
+    replacement="vllm_balance.shim.engine_core:BalanceDPEngineCoreProc",
 )
 
 
@@ -151,12 +158,6 @@ def _core_engine_actor_manager() -> Any:
     from vllm.v1.engine.utils import CoreEngineActorManager
 
     return CoreEngineActorManager
-
-
-def _balance_dp_moe_actor() -> Any:
-    from vllm_balance.ray_actor import BalanceDPMoEEngineCoreActor
-
-    return BalanceDPMoEEngineCoreActor
 
 
 def ray_backend_present() -> bool:
@@ -190,7 +191,7 @@ RAY_ACTOR_MANAGER_WRAPPER = RuntimePatch(
     name="vllm.v1.engine.utils.CoreEngineActorManager.__init__",
     owner=_core_engine_actor_manager,
     attribute="__init__",
-    replacement=provided_by("vllm_balance.activation"),
+    replacement="vllm_balance.activation:balance_actor_manager_init",
 )
 
 # vllm.v1.engine.core.DPMoEEngineCoreActor
@@ -210,7 +211,7 @@ RAY_ACTOR_SWAP = RuntimePatch(
     name="vllm.v1.engine.core.DPMoEEngineCoreActor",
     owner=engine_core_module,
     attribute="DPMoEEngineCoreActor",
-    replacement=_balance_dp_moe_actor,
+    replacement="vllm_balance.ray_actor:BalanceDPMoEEngineCoreActor",
 )
 
 
@@ -260,6 +261,7 @@ STATS_DECODED_WITH_BALANCE = RuntimePatch(
     owner=_engine_core_outputs,
     attribute="__annotations__",
     replacement=_annotations_with_balance_stats,
+    computed=True,
 )
 
 ALL_PATCHES: tuple[RuntimePatch, ...] = (
@@ -304,7 +306,8 @@ TAKE_OVER_SCHEDULER = RuntimePatch(
     name="vllm.v1.core.sched.scheduler.Scheduler (take-over)",
     owner=scheduler_module,
     attribute="Scheduler",
-    replacement=provided_by("vllm_balance.takeover"),
+    replacement="vllm_balance.takeover:vllm_scheduler",
+    computed=True,
 )
 
 # vllm.v1.core.sched.async_scheduler.AsyncScheduler (take-over)
@@ -319,7 +322,8 @@ TAKE_OVER_ASYNC_SCHEDULER = RuntimePatch(
     name="vllm.v1.core.sched.async_scheduler.AsyncScheduler (take-over)",
     owner=async_scheduler_module,
     attribute="AsyncScheduler",
-    replacement=provided_by("vllm_balance.takeover"),
+    replacement="vllm_balance.takeover:vllm_async_scheduler",
+    computed=True,
 )
 
 # vllm.v1.engine.core.DPEngineCoreProc (take-over)
@@ -329,7 +333,8 @@ TAKE_OVER_DP_ENGINE_CORE = RuntimePatch(
     name="vllm.v1.engine.core.DPEngineCoreProc (take-over)",
     owner=engine_core_module,
     attribute="DPEngineCoreProc",
-    replacement=provided_by("vllm_balance.takeover"),
+    replacement="vllm_balance.takeover:vllm_dp_engine_core",
+    computed=True,
 )
 
 # EngineCoreProc.run_engine_core (take-over)
@@ -339,7 +344,9 @@ TAKE_OVER_RUN_ENGINE_CORE = RuntimePatch(
     name="EngineCoreProc.run_engine_core (take-over)",
     owner=_engine_core_proc,
     attribute="run_engine_core",
-    replacement=provided_by("vllm_balance.takeover"),
+    replacement="vllm_balance.takeover:vllm_run_engine_core",
+    computed=True,
+    static=True,
 )
 
 # Install order: Scheduler before AsyncScheduler (the rebuild needs vLLM's Scheduler in place).

@@ -67,4 +67,5 @@ def balance_counterpart(upstream_cls: type) -> type | None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     sync_cls, async_cls = balance_scheduler_classes()
-    return {Scheduler: sync_cls, AsyncScheduler: async_cls}.get(upstream_cls)
+    counterparts: dict[type, type] = {Scheduler: sync_cls, AsyncScheduler: async_cls}
+    return counterparts.get(upstream_cls)

@@ -10,15 +10,16 @@ vllm-ascend offers no switch to leave them out.
 
 Without ``balance_take_over_vllm_ascend`` this package refuses to activate next to it
 (``vllm_balance.activation``). With it, the engine-core process gets vLLM's own objects back
-through ``registry.TAKE_OVER_PATCHES`` (reversible) before this package activates as it does
-anywhere else. vLLM's objects are found from what replaced them or from vLLM's own source, never
-from vllm-ascend's private names: a swapped class still has vLLM's class in its MRO; vLLM's
-``run_engine_core`` is rebuilt from vLLM's module (``vllm_run_engine_core``).
+through ``registry.TAKE_OVER_PATCHES`` (reversible; their replacements are the ``vllm_*``
+functions below) before this package activates as it does anywhere else. vLLM's objects are
+found from what replaced them or from vLLM's own source, never from vllm-ascend's private names:
+a swapped class still has vLLM's class in its MRO; vLLM's ``run_engine_core`` is rebuilt from
+vLLM's module (``vllm_run_engine_core``).
 
 When vllm-ascend's patches land in a process depends on plugin order. vLLM loads general plugins
 (ours and vllm-ascend's, in entry-point order) in the front end, before the platform hook; in a
 spawned engine core, inside ``EngineCore.__init__``, after ``run_engine_core`` chose the
-engine-core class. ``import_vllm_ascend_patches()`` applies them first (what vllm-ascend's own
+engine-core class. ``prepare_vllm_ascend()`` applies them first (what vllm-ascend's own
 ``adapt_patch(is_global_patch=True)`` does; idempotent), so that what this package checks,
 restores and stacks its wrapper on is the final state, whatever the order.
 
@@ -36,12 +37,15 @@ import importlib
 import importlib.util
 import types
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_balance import registry
-from vllm_balance.config import TAKE_OVER_KEY, additional_value
+from vllm_balance.config import TAKE_OVER_KEY
 from vllm_balance.log import logger
 from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER, TAKE_OVER_PATCHES
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 VLLM_ASCEND = "vllm_ascend"
 # vllm_ascend/utils.py adapt_patch(is_global_patch=True) imports this package; its __init__
@@ -52,7 +56,7 @@ VLLM_RUN_ENGINE_CORE = ("vllm.v1.engine.core", "EngineCoreProc.run_engine_core")
 SHORT_REQUEST_FIRST_KEY = "short_request_first_config"
 DYNTRA_LB_KEY = "dyntra_lb_config"
 # vllm-ascend features whose code sits in what the take-over removes: (key, what is lost).
-_LOST_WITH_THE_TAKE_OVER = {
+LOST_WITH_THE_TAKE_OVER = {
     SHORT_REQUEST_FIRST_KEY: "installs its waiting queue in the BalanceScheduler",
     DYNTRA_LB_KEY: "swaps in its engine core from the run_engine_core wrapper",
 }
@@ -163,13 +167,50 @@ def vllm_run_engine_core() -> Any:
     return _rebuilt_run_engine_core[0]
 
 
-def vllm_ascend_feature_enabled(vllm_config: Any, key: str) -> bool:
-    """vllm-ascend's ``<key>.enabled`` (nested form wins, as in its config)."""
-    _, value = additional_value(vllm_config, key)
-    return isinstance(value, dict) and value.get("enabled") is True
+def foreign_balance_patches() -> list[str]:
+    """Upstream names that another package (vllm-ascend's own balance patch, DyntraLB) replaced.
+
+    vllm-ascend's built-in balance scheduling swaps the module-level ``Scheduler`` and wraps
+    ``run_engine_core`` (its DyntraLB patches the same places); two balance gates would gather
+    twice per step and disagree on the freeze. For ``run_engine_core`` what counts is what our
+    wrapper calls after deciding (a vllm-ascend wrapper there would swap ``DPEngineCoreProc``
+    behind our back; the first function below ours, no walk through another package's private
+    globals); a wrapper that called ours has already run, and what it swapped shows in the two
+    class names.
+    """
+    scheduler_module = registry.scheduler_module()
+    core_module = registry.engine_core_module()
+    candidates = {
+        "vllm.v1.core.sched.scheduler.Scheduler": scheduler_module.Scheduler,
+        "vllm.v1.engine.core.DPEngineCoreProc": core_module.DPEngineCoreProc,
+        "EngineCoreProc.run_engine_core": RUN_ENGINE_CORE_WRAPPER.upstream(),
+    }
+    return [
+        f"{name} -> {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
+        for name, obj in candidates.items()
+        if is_vllm_ascend(obj)
+    ]
 
 
-def init_vllm_ascend_config(vllm_config: Any) -> None:
+def prepare_vllm_ascend(vllm_config: VllmConfig) -> list[str]:
+    """vllm-ascend's side effects in this process, all of them, before balance is decided;
+    returns ``foreign_balance_patches()``.
+
+    Applies vllm-ascend's platform patches (wherever plugin order put them, so that what is
+    checked is the final state), then, where its balance patch is active, initialises its
+    ``AscendConfig`` (``init_vllm_ascend_config``). That comes before the decision because
+    ``AscendConfig`` is the first source of the enable key (``vllm_balance.config``) and is read
+    only once initialised: decided earlier, this package would read ``additional_config`` while
+    vllm-ascend reads its own parsed value, and the two could disagree.
+    """
+    import_vllm_ascend_patches()
+    foreign = foreign_balance_patches()
+    if foreign:  # vllm-ascend's own code initialises it in this process, whichever decides
+        init_vllm_ascend_config(vllm_config)
+    return foreign
+
+
+def init_vllm_ascend_config(vllm_config: VllmConfig) -> None:
     """vllm-ascend's ``init_ascend_config(vllm_config)`` in this engine core, as its own code does.
 
     Its balance patch did it in every engine core (0.27.1rc1: ``BalanceScheduler.__init__``, the
@@ -190,18 +231,13 @@ def init_vllm_ascend_config(vllm_config: Any) -> None:
     module.init_ascend_config(vllm_config)
 
 
-def take_over(vllm_config: Any, foreign: list[str]) -> None:
+def take_over(foreign: list[str]) -> None:
     """Give vLLM its objects back (reversibly) and put our wrapper on top; log one line.
 
-    ``foreign`` is what ``activation._foreign_balance_patches()`` found; the caller initialised
-    vllm-ascend's config (``init_vllm_ascend_config``) and checks that nothing is left afterwards.
+    ``foreign`` is what ``prepare_vllm_ascend()`` found; the caller's decision refused what the
+    take-over cannot keep (``LOST_WITH_THE_TAKE_OVER``) and the caller checks that nothing is left
+    afterwards.
     """
-    for key, lost in _LOST_WITH_THE_TAKE_OVER.items():
-        if vllm_ascend_feature_enabled(vllm_config, key):
-            raise TakeOverError(
-                f"{TAKE_OVER_KEY} cannot keep vllm-ascend's {key}: vllm-ascend {lost} that the "
-                f"take-over removes. Disable {key} or the take-over"
-            )
     # Ours may sit on top of vllm-ascend's wrapper: take it off so that theirs is what the
     # take-over replaces, then put it back on vLLM's function.
     RUN_ENGINE_CORE_WRAPPER.uninstall()
@@ -216,21 +252,19 @@ def take_over(vllm_config: Any, foreign: list[str]) -> None:
     )
 
 
-def _vllm_scheduler() -> Any:
+# The take-over entries' replacements (registry.TAKE_OVER_PATCHES), each the same object at every
+# call while vLLM's names hold what they hold.
+
+
+def vllm_scheduler() -> type:
     module = registry.scheduler_module()
     return vllm_class(module.Scheduler, module.__name__, "Scheduler")
 
 
-def _vllm_dp_engine_core() -> Any:
+def vllm_async_scheduler() -> type:
+    return clean_async_scheduler(registry.async_scheduler_module().AsyncScheduler)
+
+
+def vllm_dp_engine_core() -> type:
     module = registry.engine_core_module()
     return vllm_class(module.DPEngineCoreProc, module.__name__, "DPEngineCoreProc")
-
-
-registry.TAKE_OVER_SCHEDULER.replacement = _vllm_scheduler
-registry.TAKE_OVER_ASYNC_SCHEDULER.replacement = lambda: clean_async_scheduler(
-    registry.async_scheduler_module().AsyncScheduler
-)
-registry.TAKE_OVER_DP_ENGINE_CORE.replacement = _vllm_dp_engine_core
-registry.TAKE_OVER_RUN_ENGINE_CORE.replacement = lambda: registry.static_wrapper(
-    vllm_run_engine_core()
-)

@@ -302,7 +302,7 @@ def run_engine_core_reach(start) -> list:
         value = value.__func__ if isinstance(value, staticmethod) else value
         return value if callable(value) and hasattr(value, "__code__") else None
 
-    ours = function(RUN_ENGINE_CORE_WRAPPER.replacement())
+    ours = function(RUN_ENGINE_CORE_WRAPPER.resolved())
     found: list = []
     todo = [function(start)]
     while todo:

@@ -269,7 +269,7 @@ def ray_actor_class_not_chosen() -> None:
     from vllm_balance import activation
 
     def choose_ray_actor_class(vllm_config) -> bool:
-        applies = activation.balance_applies(vllm_config) is not None
+        applies = activation.decide(vllm_config).active
         activation.RAY_ACTOR_SWAP.uninstall()
         return applies
 

@@ -51,7 +51,7 @@ def install_variant(variant: str) -> None:
 
     # activation.activate_for looks both names up at call time.
     activation.select_scheduler_cls = select_gather_in_schedule
-    registry.DP_ENGINE_CORE_SWAP.replacement = lambda: variants.InjectDpGroupEngine
+    registry.DP_ENGINE_CORE_SWAP.replacement = variants.InjectDpGroupEngine
     logger.warning("NEGATIVE CONTROL %s: the gather is NOT at the shipped place", variant)
 
 
@@ -91,9 +91,6 @@ def register() -> None:
     # Whichever plugin loads first, the variant's target ends up installed: the shipped plugin's
     # later install() finds its (replaced) replacement already in place and does nothing.
     RUN_ENGINE_CORE_WRAPPER.uninstall()
-    RUN_ENGINE_CORE_WRAPPER.replacement = lambda: _TARGET
+    RUN_ENGINE_CORE_WRAPPER.replacement = variant_run_engine_core  # installed as a staticmethod
     RUN_ENGINE_CORE_WRAPPER.install()
     logger.warning("engine cores will run the NEGATIVE CONTROL %s", variant)
-
-
-_TARGET = staticmethod(variant_run_engine_core)
