@@ -5,9 +5,9 @@ to the folder that defines the module, counted per ordered pair of folders.
     python tools/import_pairs.py            # the table
     python tools/import_pairs.py --check    # exit 1: a pair both ways, an import up, a bare name
 
-Support code imports one way (product <- simulator <- test bed <- tools, upstream_patch, benchmarks
-<- tests),
-each by an explicit import name (``balance_testbed.pins``, ``tools.support_matrix``). A *bare*
+Support code imports one way (product <- simulator <- test bed <- tools, upstream_patch,
+benchmarks <- tests), each by an explicit import name (``balance_testbed.pins``,
+``tools.support_matrix``). A *bare*
 name is a module of another folder imported as if it were a neighbour (``import pins`` from
 tests/): it works only with that folder on the path. A script's own folder is on its path, so a
 bare name of the importing file's own folder is a neighbour, not a crossing.
