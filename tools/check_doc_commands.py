@@ -27,7 +27,9 @@ DOCS = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("upstream
 SESSION = re.compile(r"\bnox -s ([a-z0-9][\w-]*)")
 SCRIPT = re.compile(r"\bpython3? ([\w./-]+\.py)\b")
 # Only our own modules and console scripts: vLLM's and pip's are theirs to keep working.
-MODULE = re.compile(r"\bpython3? -m (balance_sim(?:\.\w+)*|(?:vllm_balance|balance_testbed|tests)(?:\.\w+)+)")
+MODULE = re.compile(
+    r"\bpython3? -m (balance_sim(?:\.\w+)*|(?:vllm_balance|balance_testbed|tests)(?:\.\w+)+)"
+)
 CONSOLE_SCRIPT = re.compile(r"(?<![\w-])(vllm-balance-(?:sim|smoke))\b")
 # Fewer than this many scripts found means a pattern above broke, not that the docs changed.
 MIN_COMMANDS = 10
