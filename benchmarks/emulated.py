@@ -1,4 +1,4 @@
-"""The real server at DP=4 and DP=8 with the accelerator's time emulated, per policy (issue 33).
+"""The real server at DP=4 and DP=8 with the accelerator's time emulated, per policy.
 
     nox -s bench-emulated                                     # measure, simulate, advise, report
     nox -s bench-emulated -- --dp 4 --loads 1,1.4 --repeats 1 --policies off,on   # a part

@@ -1,12 +1,12 @@
 """Instructions executed by one ``schedule()``, balance on vs upstream, counted by callgrind.
 
-Also counted (issue 24): the watchdog's cost on the engine's path, as one ``balance_gather()`` vs
+Also counted: the watchdog's cost on the engine's path, as one ``balance_gather()`` vs
 ``steps.unwatched_gather()`` (the same gather without the watchdog's lines). Both run with the
 collective replaced by a Python no-op, so the two counts are exact and differ by the watchdog's
 lines alone; a real ``balance_gather()`` on a one-rank gloo group is counted beside them as the
 scale (its count moves by several percent from call to call: gloo's worker thread waits and wakes).
 
-And (issue 32) the metrics' route, per step: ``make_stats()``, which vLLM calls once per step
+And the metrics' route, per step: ``make_stats()``, which vLLM calls once per step
 with stats on, upstream vs a balance scheduler with nothing to carry (every step but one per
 log interval) vs one that carries a publish (that one step, its ``publish()`` included); and on
 the API server, the stat-logger plugin's ``record()`` of one engine's stats without and with
@@ -16,7 +16,7 @@ balance counters.
     python benchmarks/instructions.py --metrics-only   # only the metrics' route
     python benchmarks/run.py --parts instructions      # the same, as a part of the benchmarks
 
-Why instructions, not time (the ``<= 1.02x`` bound of issue 3 is lost in wall-clock noise; they are
+Why instructions, not time (the ``<= 1.02x`` budget with the gate open is lost in wall-clock noise; they are
 a deterministic function of the scheduler's state, ``PYTHONHASHSEED`` fixed, one thread): see
 docs/results.md "``schedule()`` overhead in instructions".
 

@@ -10,7 +10,7 @@ scale: docs/scaling.md):
     upstream ``Scheduler`` at DP 8/64/256, admission- and decode-heavy steps; and the gate's own
     per-step cost (``leader_at_cap()``), which is where balance-on time goes.
 (b) ``gather``: ``balance_gather()`` on a real gloo group vs bare ``all_reduce``/``all_gather``,
-    vs ``steps.unwatched_gather()`` (issue 24) and vs the log-depth collective (issue 17).
+    vs ``steps.unwatched_gather()`` (the watchdog's cost) and vs the log-depth collective.
 (c) ``sim``: simulated lockstep steps per CPU second at DP 8/64/256; serial vs parallel wall time.
 (d) ``instructions`` (not in the default set: ~15 min under valgrind): ``instructions.py``.
 (e) ``seam`` (not in the default set): what the upstream seam itself costs (``bench_seam``).

@@ -1,4 +1,4 @@
-"""The real DP=2 server per admission policy, driven by vLLM's own benchmark client (issue 18).
+"""The real DP=2 server per admission policy, driven by vLLM's own benchmark client.
 
     nox -s bench-serve                                   # measure, calibrate, simulate, report
     nox -s bench-serve -- --policies off,on --rates 1,4 --repeats 1

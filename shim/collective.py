@@ -1,4 +1,4 @@
-"""The opt-in log-depth collective (``balance_collective: "recursive_doubling"``, issue 17).
+"""The opt-in log-depth collective (``balance_collective: "recursive_doubling"``).
 
 The gate needs only the largest running count (``max(balance_queue) == cap``), and the stats the
 smallest and the sum. gloo's ``all_gather`` is a ring of DP-1 sequential hops, and its

@@ -1,5 +1,5 @@
 """``balance_collective: "recursive_doubling"`` decides the gate exactly as the contract's
-all_gather (issue 17), on real gloo groups (stateless, like vLLM's DP group; ranks as threads).
+all_gather, on real gloo groups (stateless, like vLLM's DP group; ranks as threads).
 
 Two levels: the reduction alone against an all_gather of the same counts, and real balance
 schedulers stepped side by side, one per collective on each rank, with their gate decisions,

@@ -1,7 +1,7 @@
 """The behaviour contract (docs/design.md), items 1-4, on the scheduler the installed vLLM gets.
 
 Runs unchanged on every path: compat (no seam) and shim (seam sessions), and with each
-``balance_collective`` (the default all_gather and the opt-in recursive doubling, issue 17).
+``balance_collective`` (the default all_gather and the opt-in recursive doubling).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 24, in one process: a blocked gather must not look healthy.
+"""In one process: a blocked gather must not look healthy.
 
 The watchdog's decisions are checked on a clock the test sets (``GatherWatchdog.check(now)``), its
 thread and the scheduler's part on real gloo groups. The multi-process acceptance (a paused engine

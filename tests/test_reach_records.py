@@ -1,5 +1,5 @@
 """What `nox -s reach` records: a compat fingerprint only for a run that passed; the matrix says
-"verified" only for such a run (issue 14, issue 22: a cell is a claim backed by a run)."""
+"verified" only for such a run (a cell is a claim backed by a run)."""
 
 from __future__ import annotations
 

@@ -301,7 +301,7 @@ def test_the_gather_costs_gather_ms_per_step_only_where_balance_gathers(policy, 
 
 
 def test_gather_cost_is_the_fixed_part_plus_one_hop_per_ring_step():
-    """Issue 17: gloo's all_gather is a ring of DP-1 sequential hops (docs/scaling.md)."""
+    """Gloo's all_gather is a ring of DP-1 sequential hops (docs/scaling.md)."""
     model = StepTimeModel(gather_ms=0.5, gather_hop_us=50)
     assert [model.gather_cost_ms(dp) for dp in (2, 8, 256)] == pytest.approx([0.55, 0.85, 13.25])
     assert StepTimeModel(gather_ms=0.5).gather_cost_ms(256) == 0.5  # unset: the constant
@@ -370,7 +370,7 @@ def _off_and_on(shared_fraction: float) -> dict:
 
 
 def test_with_expert_work_fully_shared_the_gate_delays_first_tokens_at_high_load():
-    """Issue 16: where a rank's prefill stalls only a 1/DP share of the others, holding
+    """Where a rank's prefill stalls only a 1/DP share of the others, holding
     admission buys nothing back and the held requests wait: ``on`` worsens TTFT."""
     shared = _off_and_on(1.0)
     assert shared["on"].ttft_p50_ms > shared["off"].ttft_p50_ms

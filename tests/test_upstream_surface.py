@@ -4,7 +4,7 @@
 these names from the installed vLLM (``compat/``'s anchors are checked by test_compat_derive.py).
 ``nox -s reach`` runs this file on every release of the support matrix, so a release that drops
 one fails here by name instead of in a user's first ``schedule()``: 0.31 dropped
-``Scheduler.skipped_waiting``, which the shim's counters read (issue #22).
+``Scheduler.skipped_waiting``, which the shim's counters read.
 """
 
 from __future__ import annotations

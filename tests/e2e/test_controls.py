@@ -3,7 +3,7 @@
 The gather moved into ``schedule()`` must hang the real server (no token for ``CONTROL_STALL_S``
 while requests are outstanding), with ``/health`` still answering 200; the hang is attributed
 from the engine cores' stacks, the engine core waiting in the gather must have logged the gather
-watchdog's ERROR (issue 24; the default ``balance_gather_warn_s``), and the server is torn down
+watchdog's ERROR (the default ``balance_gather_warn_s``), and the server is torn down
 with nothing left running. The load is a series of wave starts (single requests to an idle
 server); the shipped placement serves the same load (tests/e2e/test_server.py, in CI).
 

@@ -128,7 +128,7 @@ def test_gate_froze_admissions_on_both_hosts(two_host_runs, name):
 @pytest.mark.multinode
 @TIMEOUT
 def test_head_metrics_show_every_rank_as_its_own_log_line(two_host_runs, name):
-    """The headless node's rank reaches the head node's /metrics (issue 32): per engine, the
+    """The headless node's rank reaches the head node's /metrics: per engine, the
     counters equal one of the stats lines that rank logged on its own host."""
     run = two_host_runs.get(name)
     assert run.metrics_status == 200

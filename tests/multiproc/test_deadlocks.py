@@ -34,7 +34,7 @@ SOAK_CI_SLICE = soak_traces(6)
 # cluster emits a message every few milliseconds.
 CONTROL_STALL_SECONDS = 6.0
 # The gather watchdog must have reported a control's deadlock well before the harness calls it a
-# hang (issue 24).
+# hang: a deadlock must not look healthy.
 CONTROL_GATHER_WARN_S = 1.0
 
 

@@ -1,4 +1,4 @@
-"""Issue 24: a gather blocked by a paused peer is reported by every rank waiting in it, and so is
+"""A gather blocked by a paused peer is reported by every rank waiting in it, and so is
 its return. Real engine-core processes and gloo groups (``harness.py``); the paused rank stops
 itself with SIGSTOP right after its forward's collective (``standin.PAUSE_AFTER_FORWARD_ENV``), so
 the others' next DP collective is the balance gather.

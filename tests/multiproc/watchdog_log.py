@@ -49,7 +49,7 @@ def watchdog_lines(log: str) -> list[WatchdogLine]:
 def assert_blocked_exactly(
     watchdog: dict[int, list[WatchdogLine]], in_gather: list[int], warn_s: float
 ) -> None:
-    """Issue 24: every rank stuck in the gather logged the watchdog error, the others did not.
+    """Every rank stuck in the gather logged the watchdog error, the others did not.
 
     ``watchdog`` maps each rank to its watchdog lines, ``in_gather`` names the ranks whose stacks
     show them waiting in ``balance_gather``; the first error comes after ``warn_s`` of waiting.

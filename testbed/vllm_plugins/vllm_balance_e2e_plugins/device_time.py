@@ -1,6 +1,6 @@
 """Device-time emulation: each DP rank's forward takes the accelerator time of its own batch.
 
-For ``nox -s bench-emulated`` (issue 33). When ``VLLM_BALANCE_E2E_DEVICE_MODEL`` names a
+For ``nox -s bench-emulated``. When ``VLLM_BALANCE_E2E_DEVICE_MODEL`` names a
 step-model file (the simulator's keys: ``balance_sim.stepmodel``), every engine core's
 worker sleeps, before each forward, the time that model gives for the batch this rank runs:
 ``fixed_ms + per_prefill_token_ms * prefill tokens + per_decode_request_ms * decode requests +
