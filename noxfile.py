@@ -133,7 +133,9 @@ for _name, (_pin, _seam) in TEST_SESSIONS.items():
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """pre-commit (ruff check, ruff format --check, mypy over the product, docs links), then
+    """Pre-commit (ruff, format, mypy over the product, docs links), the docs' commands, the matrix.
+
+    pre-commit (ruff check, ruff format --check, mypy over the product, docs links), then
     the docs' commands (every session exists, every script answers --help) and the support matrix
     is current: once per CI run, the docs being the same text in every test session."""
     session.install("pre-commit==4.7.0")
@@ -185,7 +187,9 @@ nox.session(name="bench-seam")(
 
 @nox.session
 def mutation(session: nox.Session) -> None:
-    """Deliberately wrong variants that the suite must kill (kill tables: docs/testing.md), on
+    """Deliberately wrong variants the suite must kill, compat path (kill table: docs/testing.md).
+
+    Deliberately wrong variants that the suite must kill (kill tables: docs/testing.md), on
     the main-verified vLLM, whose KV-holding waiting queue (0.31+) is gate_pins_kv_holders' target;
     a mutant without a target there (delta3_reverted_to_assert: 0.24-0.30) is reported n/a."""
     install_pinned_vllm(session, "main-verified")
@@ -226,7 +230,9 @@ def ascend(session: nox.Session) -> None:
 
 @nox.session
 def takeover(session: nox.Session) -> None:
-    """Take-over and the vllm-ascend series against vllm-ascend's own released source: each
+    """Take-over and the vllm-ascend series on vllm-ascend's released source, each on its vLLM.
+
+    Take-over and the vllm-ascend series against vllm-ascend's own released source: each
     release in pins/vllm-ascend.txt on the vLLM it targets (pytest arguments after --); then
     vLLM's own test_scheduler.py on upstream's, this package's and that release's own
     BalanceScheduler (run_vllm_tests.py --balance --vllm-ascend; upstream_patch/vllm-ascend/).
@@ -256,7 +262,9 @@ def takeover(session: nox.Session) -> None:
 
 @nox.session
 def package(session: nox.Session) -> None:
-    """Build the sdist and wheel (python -m build), twine check them, install the wheel (not the
+    """Build and twine-check the sdist and wheel; the installed wheel activates through vLLM.
+
+    Build the sdist and wheel (python -m build), twine check them, install the wheel (not the
     checkout) into this session's fresh venv with the release-tag vLLM, and check there that the
     entry point activates balance and that the ascend extra agrees with vllm-ascend's pins."""
     session.install("build==1.6.1", "twine==7.0.0")
@@ -278,7 +286,9 @@ def package(session: nox.Session) -> None:
 
 @nox.session(name="vllm-own-tests")
 def vllm_own_tests(session: nox.Session) -> None:
-    """vLLM's own test_scheduler.py and test_async_scheduler.py plus the seam's tests, patched vs
+    """vLLM's own scheduler tests plus the seam's, patched vs unpatched.
+
+    vLLM's own test_scheduler.py and test_async_scheduler.py plus the seam's tests, patched vs
     unpatched: at every pin, or at the releases given (`nox -s vllm-own-tests -- 0.33.0`).
 
     Each release's wheel shadows the pinned vLLM on PYTHONPATH (run_vllm_tests.py --release), so
@@ -305,7 +315,9 @@ def vllm_own_tests(session: nox.Session) -> None:
 
 @nox.session
 def reach(session: nox.Session) -> None:
-    """Both paths on every vLLM release from the oldest seam series (0.24.0, the seed's release
+    """Both paths and the seam on every vLLM release from 0.24.0 (arguments: reach.py's).
+
+    Both paths on every vLLM release from the oldest seam series (0.24.0, the seed's release
     tag) up (or `-- --versions X`): the differential suite, the contract tests and vLLM's own
     tests; regenerates the support matrix.
 
@@ -337,7 +349,9 @@ def e2e_basetemp(session: nox.Session) -> str:
 
 @nox.session
 def e2e(session: nox.Session) -> None:
-    """A real vLLM server on CPU, DP=2 tiny MoE: balance off / shim / compat, and a real
+    """A real vLLM server on CPU, DP=2 tiny MoE: off / shim / compat, one host and two.
+
+    A real vLLM server on CPU, DP=2 tiny MoE: balance off / shim / compat, and a real
     Prometheus scraping the shim row with deploy/'s rules (tests/e2e)."""
     install_e2e(session)
     install_prometheus(session)
@@ -353,7 +367,9 @@ def e2e_controls(session: nox.Session) -> None:
 
 @nox.session(name="e2e-shapes")
 def e2e_shapes(session: nox.Session) -> None:
-    """DP deployment shapes beyond CI's: the Ray DP backend (a local Ray cluster on loopback) and
+    """The Ray DP backend and multi-port external LB on a real server (hybrid: -- -m shapes).
+
+    DP deployment shapes beyond CI's: the Ray DP backend (a local Ray cluster on loopback) and
     multi-port external LB, balance on and off; `-- -m shapes` adds hybrid LB at DP=4."""
     install_e2e(session)
     session.install("--no-deps", "-r", "requirements/ray.txt")
@@ -362,7 +378,9 @@ def e2e_shapes(session: nox.Session) -> None:
 
 @nox.session(name="e2e-multinode")
 def e2e_multinode(session: nox.Session) -> None:
-    """Multi-node DP on two hosts (network namespaces, needs root): balance off / shim / compat,
+    """Multi-node DP on two hosts of network namespaces (needs root): every row, the faults.
+
+    Multi-node DP on two hosts (network namespaces, needs root): balance off / shim / compat,
     metrics of every rank on the head's /metrics (and in a real Prometheus), the headless node
     paused and killed."""
     install_e2e(session)
@@ -375,7 +393,9 @@ def e2e_multinode(session: nox.Session) -> None:
 
 @nox.session(name="bench-serve")
 def bench_serve(session: nox.Session) -> None:
-    """The real DP=2 server once per policy, driven by vLLM's own `bench serve` over a request
+    """The real DP=2 server per policy, driven by vLLM's own `vllm bench serve`.
+
+    The real DP=2 server once per policy, driven by vLLM's own `bench serve` over a request
     rate sweep, then the simulator on the same workload (benchmarks/serve.py; docs/results.md)."""
     install_e2e(session)
     session.install("--no-deps", "-r", "requirements/sim.txt")  # matplotlib for the PNG
@@ -385,7 +405,9 @@ def bench_serve(session: nox.Session) -> None:
 
 @nox.session(name="bench-emulated")
 def bench_emulated(session: nox.Session) -> None:
-    """The real server at DP=4 and DP=8 with the accelerator's step time emulated (each rank
+    """The real server at DP=4 and 8, each rank's device time emulated, per policy.
+
+    The real server at DP=4 and DP=8 with the accelerator's step time emulated (each rank
     sleeps the simulator's step model for its own batch), per policy, driven by `vllm bench
     serve`, the simulator beside it (benchmarks/emulated.py; docs/results.md)."""
     install_e2e(session)
