@@ -16,9 +16,9 @@ balance counters.
     python benchmarks/instructions.py --metrics-only   # only the metrics' route
     python benchmarks/run.py --parts instructions      # the same, as a part of the benchmarks
 
-Why instructions, not time (the ``<= 1.02x`` budget with the gate open is lost in wall-clock noise; they are
-a deterministic function of the scheduler's state, ``PYTHONHASHSEED`` fixed, one thread): see
-docs/results.md "``schedule()`` overhead in instructions".
+Why instructions, not time (the ``<= 1.02x`` budget with the gate open is lost in wall-clock
+noise; they are a deterministic function of the scheduler's state, ``PYTHONHASHSEED`` fixed,
+one thread): see docs/results.md "``schedule()`` overhead in instructions".
 
 How: a child process runs under ``valgrind --tool=callgrind`` with collection off, builds the
 same prepared schedulers as ``run.py`` (fresh ones per measurement: ``schedule()`` mutates them)

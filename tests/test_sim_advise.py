@@ -178,10 +178,11 @@ def test_the_per_hop_gather_cost_moves_with_the_fixed_part_and_a_free_gather_is_
 
 
 def test_case_gate_never_froze_says_it_measures_the_gathers_cost_alone():
-    """The advise table's 1.2x / 400-request case: ``--concurrency 307 --num-requests 400`` with ``shared_fraction`` 1
-    printed DO NOT ENABLE while on froze 0.0% of steps: 400 requests arrive before a rank
-    fills. The real run: TTFT p99 +7.5% (seeds +6.7..+8.5%) from the gather alone, +2.5% with
-    a third of the gather: the verdict depends on the gather's cost, and says why."""
+    """The advise table's 1.2x / 400-request case: ``--concurrency 307 --num-requests 400``
+    with ``shared_fraction`` 1 printed DO NOT ENABLE while on froze 0.0% of steps: 400
+    requests arrive before a rank fills. The real run: TTFT p99 +7.5% (seeds +6.7..+8.5%)
+    from the gather alone, +2.5% with a third of the gather: the verdict depends on the
+    gather's cost, and says why."""
     evidence = _evidence(
         _vs_off({"ttft_p99": 1067}, {"ttft_p99": 1085}, {"ttft_p99": 1075}),
         load=1.2,
@@ -210,9 +211,9 @@ def test_a_gate_that_never_froze_below_the_knee_has_nothing_to_do():
 
 
 def test_case_dp2_calibrated_depends_on_the_gather_cost():
-    """The advise table's DP=2 calibrated case: DP=2 with docs/bench-serve.json's step model at 6 req/s, DO NOT ENABLE
-    with gather_ms 5.2 and not so with the measured 1.7: the answer names gather_ms and how to
-    measure it, and that both queues grew (6 req/s overloads this model)."""
+    """The advise table's DP=2 calibrated case: docs/bench-serve.json's step model at 6 req/s,
+    DO NOT ENABLE with gather_ms 5.2 and not so with the measured 1.7: the answer names
+    gather_ms and how to measure it, and that both queues grew (6 req/s overloads this model)."""
     evidence = _evidence(
         _vs_off(*[{"ttft_p99": 2600, "ttft_p50": 520, "tok": 1840}] * 3),
         gather_ms=5.207,
