@@ -14,7 +14,8 @@ import pytest
 from vllm_balance_e2e_plugins import device_time
 
 from balance_sim.stepmodel import StepModelError, StepTimeModel
-from benchmarks.emulated import CPU_SHARE_LIMIT, headroom, valid_runs
+from benchmarks.emulated_analyse import valid_runs
+from benchmarks.emulated_measure import CPU_SHARE_LIMIT, headroom
 
 MODEL = StepTimeModel(
     fixed_ms=100.0, per_prefill_token_ms=0.55, per_decode_request_ms=1.55, per_kv_token_ms=0.01
@@ -122,7 +123,7 @@ def test_the_measured_ratio_interval_pairs_the_same_requests():
     spread the requests are; unpaired (different counts), the same values spread around 1."""
     import numpy as np
 
-    from benchmarks.emulated import bootstrap_ratio
+    from benchmarks.emulated_analyse import bootstrap_ratio
 
     base = np.random.default_rng(1).lognormal(7.0, 1.0, 200)
     assert bootstrap_ratio(base, base, 99) == [1.0, 1.0]
