@@ -47,7 +47,7 @@ from benchmarks.emulated_measure import (
     DEVICES,
     measure_grid,
 )
-from benchmarks.emulated_render import group_markdown, write_plot
+from benchmarks.emulated_render import group_markdown, results_table, write_plot
 from benchmarks.serve import prepare_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +79,7 @@ def report(out: Path, advise_loads: tuple[float, ...] = ADVISE_LOADS) -> dict:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "table.md").write_text("\n".join(markdown))
+    (out / "results-table.md").write_text("\n".join(results_table(runs, results)) + "\n")
     write_plot(out / "bench-emulated.png", out, runs)
     print("\n".join(markdown))
     return summary

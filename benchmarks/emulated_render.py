@@ -1,6 +1,7 @@
 """``nox -s bench-emulated``'s report: each group's markdown table (serve_report's, with this
 benchmark's columns), its ratios and where measured and simulated disagree, from
-``emulated_analyse``'s ``GroupResult``; and the TTFT CDF plot from the runs' files.
+``emulated_analyse``'s ``GroupResult``; docs/results.md's summary table of the groups; and the TTFT
+CDF plot from the runs' files.
 """
 
 from __future__ import annotations
@@ -124,6 +125,38 @@ def disagreements(result: GroupResult, loads: dict[str, float]) -> list[list[str
                 f"{old:.2f}" if old is not None else "-",
             ])  # fmt: skip
     return rows
+
+
+def results_table(runs: list[dict], results: dict[str, GroupResult]) -> list[str]:
+    """docs/results.md's summary of the groups: per group (per-rank devices first) and rate, on
+    vs off (frozen share, the ratios, advise's rule on the measured runs, advise itself) and
+    ``bounded-hold:8`` vs on's TTFT p99, measured / simulated."""
+    rows = []
+    chosen = {(run["device"], run["dp"]) for run in runs}
+    for device, dp in sorted(chosen, key=lambda group: (group[0] != "per-rank", group[1])):
+        result = results[f"dp{dp}-{device}"]
+        knees = {
+            f"{r['rate']:g}": r["knee"] for r in runs if (r["dp"], r["device"]) == (dp, device)
+        }
+        holds = {row.rate: row.ratios["ttft_p99_ms"] for row in result.hold_vs_on or ()}
+        for row in result.ratios or ():
+            if row.policy != "on":
+                continue
+            simulated = (result.simulated or {}).get("on", {}).get(row.rate, {})
+            hold = holds.get(row.rate)
+            rows.append([
+                f"{dp}, {device}", f"{knees[row.rate]:.1f}x",
+                f"{result.observed['on'][row.rate].frozen:.2f} / {simulated['frozen']:.2f}",
+                *(ratio_text(row.ratios[key]) for key in RATIO_KEYS),
+                row.measured_verdict.category if row.measured_verdict else "-",
+                advise_text((result.advise or {}).get(row.rate)),
+                f"{hold.measured:.2f} / {hold.simulated:.2f}" if hold else "-",
+            ])  # fmt: skip
+    header = (
+        "DP, device | load | frozen | tok/s | TTFT p50 | TTFT p99 | TPOT p50 | judged | advise | "
+        "hold vs on"
+    )
+    return markdown_table(header, rows)
 
 
 def cdf(values: list[float]) -> tuple[list[float], list[float]]:

@@ -130,3 +130,23 @@ def test_the_measured_ratio_interval_pairs_the_same_requests():
     assert bootstrap_ratio(base, 2.0 * base, 99) == [2.0, 2.0]
     low, high = bootstrap_ratio(base, base[:199], 99)
     assert low < 1.0 < high
+
+
+def test_the_report_renders_the_committed_groups_to_the_results_table():
+    """docs/results.md's table under "Emulated device, DP=4/8" is what the report renders from
+    the groups committed beside it (docs/bench-emulated.json, through the typed results)."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.emulated_analyse import GroupResult
+    from benchmarks.emulated_render import results_table
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    summary = json.loads((docs / "bench-emulated.json").read_text())
+    results = {name: GroupResult.from_json(group) for name, group in summary["groups"].items()}
+    # The same layout back: summary.json's groups pass through the dataclasses unchanged.
+    assert {name: result.to_json() for name, result in results.items()} == summary["groups"]
+    lines = results_table(summary["runs"], results)
+    section = (docs / "results.md").read_text().split("## Emulated device, DP=4/8")[1]
+    start = section.index(lines[0])
+    assert section[start:].splitlines()[: len(lines)] == lines
