@@ -123,7 +123,7 @@ class Cell:
     balance: float | None
     overrun: float | None
     cpu_share: tuple[float, ...]
-    load: tuple
+    load: tuple[list[float], ...]  # each run's machine load (1-min average) at start, end
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self) | {
@@ -186,9 +186,7 @@ class GroupResult:
             ratios=rows("ratios"),
             hold_vs_on=rows("hold_vs_on"),
             ratios_least_loaded=rows("ratios_least_loaded"),
-            advise=None
-            if advise is None
-            else {rate: AdviseVerdict(**v) for rate, v in advise.items()},
+            advise=advise and {rate: AdviseVerdict(**v) for rate, v in advise.items()},
         )
 
 
