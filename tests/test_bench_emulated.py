@@ -14,7 +14,8 @@ import pytest
 from vllm_balance_e2e_plugins import device_time
 
 from balance_sim.stepmodel import StepModelError, StepTimeModel
-from benchmarks.emulated import CPU_SHARE_LIMIT, headroom, valid_runs
+from benchmarks.emulated_analyse import valid_runs
+from benchmarks.emulated_measure import CPU_SHARE_LIMIT, headroom
 
 MODEL = StepTimeModel(
     fixed_ms=100.0, per_prefill_token_ms=0.55, per_decode_request_ms=1.55, per_kv_token_ms=0.01
@@ -122,10 +123,30 @@ def test_the_measured_ratio_interval_pairs_the_same_requests():
     spread the requests are; unpaired (different counts), the same values spread around 1."""
     import numpy as np
 
-    from benchmarks.emulated import bootstrap_ratio
+    from benchmarks.emulated_analyse import bootstrap_ratio
 
     base = np.random.default_rng(1).lognormal(7.0, 1.0, 200)
     assert bootstrap_ratio(base, base, 99) == [1.0, 1.0]
     assert bootstrap_ratio(base, 2.0 * base, 99) == [2.0, 2.0]
     low, high = bootstrap_ratio(base, base[:199], 99)
     assert low < 1.0 < high
+
+
+def test_the_report_renders_the_committed_groups_to_the_results_table():
+    """docs/results.md's table under "Emulated device, DP=4/8" is what the report renders from
+    the groups committed beside it (docs/bench-emulated.json, through the typed results)."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.emulated_analyse import GroupResult
+    from benchmarks.emulated_render import results_table
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    summary = json.loads((docs / "bench-emulated.json").read_text())
+    results = {name: GroupResult.from_json(group) for name, group in summary["groups"].items()}
+    # The same layout back: summary.json's groups pass through the dataclasses unchanged.
+    assert {name: result.to_json() for name, result in results.items()} == summary["groups"]
+    lines = results_table(summary["runs"], results)
+    section = (docs / "results.md").read_text().split("## Emulated device, DP=4/8")[1]
+    start = section.index(lines[0])
+    assert section[start:].splitlines()[: len(lines)] == lines
