@@ -172,3 +172,36 @@ def test_actor_whose_config_disagrees_with_the_api_server_refuses(stop_at_upstre
             local_dp_rank=0,
         )
     assert stop_at_upstream_init == []
+
+
+def test_actor_hands_vllms_dp_group_to_its_scheduler(monkeypatch):
+    """Upstream's actor ``__init__`` calls ``DPEngineCoreProc.__init__`` by name, so
+    ``BalanceDPEngineCoreProc.__init__`` never runs, and vLLM assigns the DP group before the
+    scheduler exists: without the actor's hand-over every gather is a no-op (seen on a real Ray
+    server: 0 of 240 steps frozen). Upstream's order is played with a real gloo group and a real
+    balance scheduler."""
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+    from vllm.utils.network_utils import get_open_port
+
+    group = stateless_init_torch_distributed_process_group(
+        "127.0.0.1", get_open_port(), 0, 1, backend="gloo"
+    )
+    config = dp_config()
+
+    @functools.wraps(DPMoEEngineCoreActor.__init__)
+    def upstream_order(self, vllm_config, *args, **kwargs):
+        self.dp_group = group  # _init_data_parallel, before the scheduler is built
+        balance_cls = vllm_config.scheduler_config.scheduler_cls  # what activation chose
+        self.scheduler = factories.make_scheduler(balance_cls, vllm_config)
+
+    monkeypatch.setattr(DPMoEEngineCoreActor, "__init__", upstream_order)
+    actor = BalanceDPMoEEngineCoreActor(
+        vllm_config=config,
+        executor_class=None,
+        log_stats=True,
+        local_client=True,
+        addresses=None,
+        dp_rank=0,
+        local_dp_rank=0,
+    )
+    assert actor.scheduler.dp_group is group

@@ -48,3 +48,8 @@ class BalanceDPMoEEngineCoreActor(DPMoEEngineCoreActor, BalanceDPEngineCoreProc)
                 "and --additional-config"
             )
         super().__init__(*args, **kwargs)
+        # Upstream's __init__ calls DPEngineCoreProc.__init__ by name, so
+        # BalanceDPEngineCoreProc.__init__, which hands the DP group to the scheduler, never runs
+        # here, and vLLM assigned the group before the scheduler existed: hand it over now, or
+        # every gather is a no-op (the gate never freezes).
+        self.balance_scheduler.follow_dp_group(self.dp_group)
