@@ -69,18 +69,22 @@ def stop_at_upstream_init(monkeypatch):
     return calls
 
 
-def construct_as_ray_does(config, dp_rank=1):
+def actor_as_ray_builds_it(config, dp_rank=0):
     """The keyword arguments ``CoreEngineActorManager`` passes to ``.remote()`` (0.27.1-0.33.0)."""
+    return BalanceDPMoEEngineCoreActor(
+        vllm_config=config,
+        executor_class=None,
+        log_stats=True,
+        local_client=True,
+        addresses=None,
+        dp_rank=dp_rank,
+        local_dp_rank=dp_rank,
+    )
+
+
+def construct_as_ray_does(config, dp_rank=1):
     with pytest.raises(UpstreamInitReached):
-        BalanceDPMoEEngineCoreActor(
-            vllm_config=config,
-            executor_class=None,
-            log_stats=True,
-            local_client=True,
-            addresses=None,
-            dp_rank=dp_rank,
-            local_dp_rank=dp_rank,
-        )
+        actor_as_ray_builds_it(config, dp_rank)
 
 
 @pytest.mark.parametrize("ray_installed", [True, False], ids=["ray", "no-ray"])
@@ -162,15 +166,7 @@ def test_actor_activates_before_upstreams_init(stop_at_upstream_init, caplog):
 
 def test_actor_whose_config_disagrees_with_the_api_server_refuses(stop_at_upstream_init):
     with pytest.raises(BalanceConfigError, match="chose the balance Ray engine-core actor"):
-        BalanceDPMoEEngineCoreActor(
-            vllm_config=dp_config(additional_config={}),
-            executor_class=None,
-            log_stats=True,
-            local_client=True,
-            addresses=None,
-            dp_rank=0,
-            local_dp_rank=0,
-        )
+        actor_as_ray_builds_it(dp_config(additional_config={}))
     assert stop_at_upstream_init == []
 
 
@@ -195,13 +191,5 @@ def test_actor_hands_vllms_dp_group_to_its_scheduler(monkeypatch):
         self.scheduler = factories.make_scheduler(balance_cls, vllm_config)
 
     monkeypatch.setattr(DPMoEEngineCoreActor, "__init__", upstream_order)
-    actor = BalanceDPMoEEngineCoreActor(
-        vllm_config=config,
-        executor_class=None,
-        log_stats=True,
-        local_client=True,
-        addresses=None,
-        dp_rank=0,
-        local_dp_rank=0,
-    )
+    actor = actor_as_ray_builds_it(config)
     assert actor.scheduler.dp_group is group
