@@ -84,7 +84,7 @@ def unwatched_gather(scheduler) -> None:
         scheduler.follow_dp_group(scheduler.dp_group)
     running = len(scheduler.running)
     if running:  # balance_gather's pause check (the measured gatherers run nothing: not reached)
-        from vllm_balance.shim.scheduler import PAUSED_ALL
+        from vllm_balance.shim.gather import PAUSED_ALL
 
         if PAUSED_ALL is not None and scheduler.pause_state == PAUSED_ALL:
             running = 0

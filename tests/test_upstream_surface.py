@@ -55,13 +55,16 @@ def test_scheduler_state_the_mixin_reads():
     assert scheduler.prefill_capacity_bound is False
 
 
+# shim/gather.py
+
+
 def test_group_and_pause_state_the_gather_follows():
     """The buffer is sized and ranked by the DP group (``size()``, ``rank()``: vLLM swaps the group
     on an elastic-EP resize); a rank paused with ``mode="keep"`` gathers 0, as vLLM's DP sync
     counts it (where the release has pause states)."""
     from torch.distributed import ProcessGroup
 
-    from vllm_balance.shim.scheduler import PAUSED_ALL
+    from vllm_balance.shim.gather import PAUSED_ALL
 
     assert callable(ProcessGroup.size) and callable(ProcessGroup.rank)
     if PAUSED_ALL is not None:

@@ -259,9 +259,9 @@ def buffer_fixed_at_start_size() -> None:
 def keep_paused_rank_gathers_its_running() -> None:
     """A rank paused with ``mode="keep"`` gathers ``len(running)``: its full seats freeze the
     ranks that run for as long as it is paused."""
-    from vllm_balance.shim import scheduler
+    from vllm_balance.shim import gather
 
-    scheduler.PAUSED_ALL = None  # the gather's pause check never matches
+    gather.PAUSED_ALL = None  # the gather's pause check never matches
 
 
 def ray_actor_class_not_chosen() -> None:
