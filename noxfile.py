@@ -93,11 +93,18 @@ def install_pinned_vllm(session: nox.Session, pin_name: str, seam: bool = False)
     return pin
 
 
-def run_pytest(session: nox.Session, marker: str, *paths: str) -> None:
+def run_pytest(session: nox.Session, marker: str, *args: str) -> None:
     """pytest with a marker expression ("not slow": CI; "slow": on demand), posargs last."""
     session.run(
-        "python", "-m", "pytest", "-p", "no:cacheprovider", "-m", marker, *paths, *session.posargs
+        "python", "-m", "pytest", "-p", "no:cacheprovider", "-m", marker, *args, *session.posargs
     )
+
+
+# The four test sessions' pytest workers (pytest-xdist): one per core. Most of the suite runs one
+# core at a time (a real scheduler's steps; an interpreter importing vLLM), so on CI's two cores
+# a session's tests take ~55% of the serial time. `-- -n 0` runs them in one process. The real
+# server sessions stay serial: two servers at once would starve each other's start-up.
+PARALLEL = ("-n", "auto", "--dist", "worksteal")
 
 
 # The four default test sessions: pin x seam. Names are what README, CI and the docs use.
@@ -119,7 +126,7 @@ def _test_session(pin_name: str, seam: bool):
     def tests(session: nox.Session) -> None:
         install_pinned_vllm(session, pin_name, seam=seam)
         install_prometheus(session)
-        run_pytest(session, "not slow")
+        run_pytest(session, "not slow", *PARALLEL)
 
     tests.__doc__ = f"The suite on vLLM from pins/{pin_name}.txt, " + (
         "seam applied (shim path)." if seam else "no seam (compat path)."
