@@ -14,7 +14,7 @@ of the installed vLLM: its unpacked wheel shadows the installed one in the test 
    its cases added to ``test_scheduler.py``, beside its throttle tests; before 0.31 also
    ``scheduler_cls``, which the unpatched side's tests ignore); pytest runs
    ``tests/v1/core/test_scheduler.py`` and ``test_async_scheduler.py`` (``--balance``: the first
-   only, without the series). ``tests/vllm_own_conftest.py`` replaces the conftests.
+   only, without the series). ``balance_testbed.vllm_own_conftest`` replaces the conftests.
 3. pytest runs twice, in separate processes: once on the unpatched scheduler and once on the
    patched one. One side is the installed module; the other is the installed source with the
    series applied (or reverted, for an already-seamed vLLM), installed as
@@ -78,7 +78,6 @@ from balance_testbed.seam_patch import (
 )
 
 HERE = Path(__file__).resolve().parent
-TESTS_DIR = HERE.parent / "tests"
 
 ENTRY_TEST = SEAM_TEST_PATH  # vLLM's test_scheduler.py, where the series adds its cases
 ASYNC_TEST = "tests/v1/core/test_async_scheduler.py"
@@ -87,10 +86,10 @@ ASYNC_TEST = "tests/v1/core/test_async_scheduler.py"
 SEAM_ENTRIES = (ENTRY_TEST, ASYNC_TEST)
 BALANCE_ENTRIES = (ENTRY_TEST,)
 
-# Replaces vLLM's conftest.py files in the extracted tests/ (it is test code: it lives in tests/).
-CONFTEST = TESTS_DIR / "vllm_own_conftest.py"
-# Chooses each side's scheduler; with --vllm-conftest a pytest plugin beside vLLM's conftests.
-SIDE_PLUGIN = TESTS_DIR / "vllm_own_side.py"
+# pytest plugins of the test bed: in place of vLLM's conftest.py files, which are not extracted;
+# with --vllm-conftest only the one that chooses each side's scheduler, beside vLLM's conftests.
+CONFTEST_PLUGIN = "balance_testbed.vllm_own_conftest"
+SIDE_PLUGIN = "balance_testbed.vllm_own_side"
 
 
 class RunError(RuntimeError):
@@ -344,15 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     names = {name for series in stack for name in seam_test_names(series)}
     seam_names = frozenset() if args.balance else frozenset(names)
     extracted = extract_tests(sdist, version, tree, conftests=args.vllm_conftest)
-    shutil.copyfile(SIDE_PLUGIN, tree / SIDE_PLUGIN.name)
     pytest_args = list(args.pytest_args)
     if args.vllm_conftest:
         conftest = "vLLM's own conftest.py files, VLLM_TARGET_DEVICE=cpu"
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # for the pytest children
-        pytest_args[:0] = ["-p", SIDE_PLUGIN.stem]
+        pytest_args[:0] = ["-p", SIDE_PLUGIN]
     else:
-        conftest = f"tests/{CONFTEST.name} (this repository's offline replacement)"
-        shutil.copyfile(CONFTEST, tree / "conftest.py")
+        conftest = f"{CONFTEST_PLUGIN} (this repository's offline replacement)"
+        pytest_args[:0] = ["-p", CONFTEST_PLUGIN]
     # pytest's defaults, not the settings of a directory above the tree: nox puts it under this
     # repository (its --strict-markers refuses 0.30.0's test_scheduler.py, whose markers are
     # registered by vLLM's own configuration, which is not extracted).

@@ -1,9 +1,9 @@
 """Which scheduler a run of vLLM's own tests imports (upstream_patch/run_vllm_tests.py), and the
 record of it the script checks.
 
-run_vllm_tests.py copies this beside the extracted tests. ``vllm_own_conftest.py`` imports it
-first; with ``--vllm-conftest`` (vLLM's own conftest files, ``VLLM_TARGET_DEVICE=cpu``) it is a
-pytest plugin (``-p vllm_own_side``), which pytest loads before any conftest.
+``vllm_own_conftest`` imports it first; with ``--vllm-conftest`` (vLLM's own conftest files,
+``VLLM_TARGET_DEVICE=cpu``) it is the pytest plugin (``-p balance_testbed.vllm_own_side``),
+which pytest loads before any conftest.
 """
 
 import importlib.util

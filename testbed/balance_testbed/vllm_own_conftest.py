@@ -1,10 +1,10 @@
-"""vLLM's tests' conftest.py in the tree upstream_patch/run_vllm_tests.py extracts; not vLLM's.
+"""The conftest of vLLM's tests that upstream_patch/run_vllm_tests.py extracts; not vLLM's.
 
 Offline, CPU-only stand-ins for what vLLM's own conftest and CI provide: hub model names become a
 tiny local config (``facebook/opt-125m`` -> a tiny Llama; models that only the hub has, e.g. the
 multimodal llava, skip the test), every ``VllmConfig`` gets ``DeviceConfig("cpu")``, and the hub
-is offline. Named so that this repository's pytest does not load it: run_vllm_tests.py copies it
-there as ``conftest.py``.
+is offline. A pytest plugin in place of vLLM's conftest files, which run_vllm_tests.py does not
+extract (``-p balance_testbed.vllm_own_conftest``).
 """
 
 import importlib
@@ -15,9 +15,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# Copied beside this file by run_vllm_tests.py: it must choose the side before anything imports
-# the scheduler.
-import vllm_own_side  # noqa: E402
+# It must choose the side before anything imports the scheduler.
+from balance_testbed import vllm_own_side  # noqa: E402, I001
 from vllm.config import DeviceConfig, ModelConfig, VllmConfig  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
