@@ -4,8 +4,8 @@ same requests, the on/off ratios with their bootstrap intervals, the verdicts an
 
 It returns frozen dataclasses (``GroupResult`` and its parts) for ``emulated_render``; they become
 summary.json's ``groups`` through ``to_json`` (and back through ``from_json``) in exactly the
-layout that file has always had: a field left unset is absent there, not ``null``. The tables of
-``serve_report`` (measured, simulated) and the fitted step model stay that module's dicts.
+layout that file has always had: a field left unset is absent there, not ``null``. The tables
+(measured, simulated) and the fitted step model are ``serve_report``'s typed results.
 """
 
 from __future__ import annotations
@@ -26,6 +26,14 @@ from benchmarks.emulated_measure import (
     WORKLOAD,
     headroom,
     run_records,
+)
+from benchmarks.serve_report import (
+    MeasuredCell,
+    MeasuredTable,
+    SimCell,
+    SimTable,
+    StepModel,
+    map_cells,
 )
 
 RATIO_KEYS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
@@ -142,25 +150,24 @@ class GroupResult:
     group has no data for it (no valid run, no valid ``off`` run, advise not asked)."""
 
     observed: dict[str, dict[str, Cell]]
-    measured: dict | None = None  # serve_report.measured's table
-    step_model: dict | None = None
-    simulated: dict | None = None  # serve_report.simulate's table, vLLM 0.30's router
-    simulated_least_loaded: dict | None = None  # the same, vLLM <= 0.26's router
+    measured: MeasuredTable | None = None
+    step_model: StepModel | None = None
+    simulated: SimTable | None = None  # vLLM 0.30's router
+    simulated_least_loaded: SimTable | None = None  # the same, vLLM <= 0.26's router
     ratios: tuple[RatioRow, ...] | None = None
     hold_vs_on: tuple[RatioRow, ...] | None = None
     ratios_least_loaded: tuple[RatioRow, ...] | None = None
     advise: dict[str, AdviseVerdict] | None = None
 
     def to_json(self) -> dict:
-        data: dict = {
-            "observed": {
-                policy: {rate: cell.to_json() for rate, cell in cells.items()}
-                for policy, cells in self.observed.items()
-            }
-        }
-        for name in ("measured", "step_model", "simulated", "simulated_least_loaded"):
+        data: dict = {"observed": map_cells(self.observed, Cell.to_json)}
+        if self.measured is not None:
+            data["measured"] = map_cells(self.measured, MeasuredCell.to_json)
+        if self.step_model is not None:
+            data["step_model"] = self.step_model.to_json()
+        for name in ("simulated", "simulated_least_loaded"):
             if getattr(self, name) is not None:
-                data[name] = getattr(self, name)
+                data[name] = map_cells(getattr(self, name), SimCell.to_json)
         for name in ("ratios", "hold_vs_on", "ratios_least_loaded"):
             if getattr(self, name) is not None:
                 data[name] = [row.to_json() for row in getattr(self, name)]
@@ -173,16 +180,16 @@ class GroupResult:
         def rows(name: str) -> tuple[RatioRow, ...] | None:
             return tuple(map(RatioRow.from_json, data[name])) if name in data else None
 
-        advise = data.get("advise")
+        def table(name: str, cell: type[MeasuredCell | SimCell]) -> dict | None:
+            return map_cells(data[name], cell.from_json) if name in data else None
+
+        model, advise = data.get("step_model"), data.get("advise")
         return cls(
-            observed={
-                policy: {rate: Cell.from_json(cell) for rate, cell in cells.items()}
-                for policy, cells in data["observed"].items()
-            },
-            measured=data.get("measured"),
-            step_model=data.get("step_model"),
-            simulated=data.get("simulated"),
-            simulated_least_loaded=data.get("simulated_least_loaded"),
+            observed=map_cells(data["observed"], Cell.from_json),
+            measured=table("measured", MeasuredCell),
+            step_model=model and StepModel.from_json(model),
+            simulated=table("simulated", SimCell),
+            simulated_least_loaded=table("simulated_least_loaded", SimCell),
             ratios=rows("ratios"),
             hold_vs_on=rows("hold_vs_on"),
             ratios_least_loaded=rows("ratios_least_loaded"),
@@ -236,7 +243,7 @@ AGREE = 0.2  # the goal: measured and simulated on/off ratios within 20%
 FREEZES = 0.01  # "where the gate freezes": at least 1% of steps frozen, measured or simulated
 
 
-def group_model(steps: dict, runs: list[dict]) -> dict:
+def group_model(steps: dict, runs: list[dict]) -> StepModel:
     """serve_report's fit on off's steps, and balance on's measured per-step cost: the median
     time outside ``_process_engine_step`` (where the gather sits), on minus off."""
     from benchmarks.serve_report import fit_step_model, in_run
@@ -249,7 +256,7 @@ def group_model(steps: dict, runs: list[dict]) -> dict:
     gaps = {policy: [s["gap_ms"] for s in of(policy)] for policy in ("off", "on")}
     if gaps["off"] and gaps["on"]:
         delta = statistics.median(gaps["on"]) - statistics.median(gaps["off"])
-        model["gather_ms"] = round(max(delta, 0.0), 3)
+        model = dataclasses.replace(model, gather_ms=round(max(delta, 0.0), 3))
     return model
 
 
@@ -302,8 +309,8 @@ def bootstrap_ratio(base, other, q: float, draws: int = 2000, seed: int = 0) -> 
 
 def ratio_rows(
     out: Path,
-    table: dict,
-    simulated: dict,
+    table: MeasuredTable,
+    simulated: SimTable,
     observed: dict[str, dict[str, Cell]],
     runs: list[dict],
     base: str = "off",
@@ -320,7 +327,7 @@ def ratio_rows(
                 continue
             sim, sim_off = simulated.get(policy, {}).get(rate), simulated.get(base, {}).get(rate)
             verdict = measured_verdict(runs, policy, base, rate)
-            frozen = [observed[policy][rate].frozen, sim["frozen"] if sim else 0.0]
+            frozen = [observed[policy][rate].frozen, sim.frozen if sim else 0.0]
             values = {
                 name: request_values(
                     out, [r for r in runs if r["policy"] == name and f"{r['rate']:g}" == rate]
@@ -329,11 +336,12 @@ def ratio_rows(
             }
             ratios = {}
             for key in RATIO_KEYS:
-                measured = cells[rate][key]["mean"] / table[base][rate][key]["mean"]
+                measured = getattr(cells[rate], key).mean / getattr(table[base][rate], key).mean
                 simulated_ratio = agree = None
-                if sim and sim_off and sim_off[key]:
-                    simulated_ratio = round(sim[key] / sim_off[key], 3)
-                    agree = abs(measured / (sim[key] / sim_off[key]) - 1.0) <= AGREE
+                if sim and sim_off and getattr(sim_off, key):
+                    sim_ratio = getattr(sim, key) / getattr(sim_off, key)
+                    simulated_ratio = round(sim_ratio, 3)
+                    agree = abs(measured / sim_ratio - 1.0) <= AGREE
                 interval = in_interval = None
                 if key in INTERVAL_KEYS:
                     metric, q = INTERVAL_KEYS[key]
@@ -381,7 +389,9 @@ def measured_verdict(runs: list[dict], policy: str, base: str, rate: str) -> Ver
     )
 
 
-def advise_verdict(dp: int, rate: float, model: dict, out: Path, requests: int) -> AdviseVerdict:
+def advise_verdict(
+    dp: int, rate: float, model: StepModel, out: Path, requests: int
+) -> AdviseVerdict:
     """``vllm-balance-sim advise`` on the measured scenario (DP, cap, lengths, rate, the fitted
     step model with ``shared_fraction`` 0, which the emulation makes exact): its category."""
     from balance_sim.advise import CATEGORIES
@@ -389,8 +399,9 @@ def advise_verdict(dp: int, rate: float, model: dict, out: Path, requests: int) 
     keys = ("fixed_ms", "per_prefill_token_ms", "per_decode_request_ms", "per_kv_token_ms",
             "gather_ms")  # fmt: skip
     model_file = out / "advise_step_model.json"
+    fields = model.to_json()
     model_file.write_text(
-        json.dumps({k: model[k] for k in keys if k in model} | {"shared_fraction": 0.0}) + "\n"
+        json.dumps({k: fields[k] for k in keys if k in fields} | {"shared_fraction": 0.0}) + "\n"
     )
     command = [
         sys.executable, "-m", "balance_sim", "advise", "--dp", str(dp),

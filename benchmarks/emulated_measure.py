@@ -195,7 +195,7 @@ def calibrate(args, out: Path, model_dir: Path, dp: int) -> dict:
         spec, label, model_dir, [PlannedRun("off", rate, 0, prompts, label)], out, WORKLOAD
     )
     steps = in_run(cluster_steps(load_steps(out, label)), run)
-    fitted = fit_step_model(steps)
+    fitted = fit_step_model(steps).to_json()
     calibration = {
         "device": device,
         "fitted": fitted,

@@ -17,14 +17,16 @@ from benchmarks.emulated_analyse import (
     Ratio,
     valid_runs,
 )
+from benchmarks.serve_report import SimTable
 from benchmarks.steps import markdown_table
 
 
-def cell_text(observed: dict[str, dict[str, Cell]], simulated: dict, key: str, decimals: int):
+def cell_text(observed: dict[str, dict[str, Cell]], simulated: SimTable, key: str, decimals: int):
     def cell(policy: str, rate: str) -> str:
         observed_cell = observed.get(policy, {}).get(rate)
         mine = getattr(observed_cell, key) if observed_cell else None
-        sim = simulated.get(policy, {}).get(rate, {}).get(key)
+        sim_cell = simulated.get(policy, {}).get(rate)
+        sim = getattr(sim_cell, key) if sim_cell else None
         left = "-" if mine is None else f"{mine:.{decimals}f}"
         return left + ("" if sim is None else f" / {sim:.{decimals}f}")
 
@@ -142,11 +144,11 @@ def results_table(runs: list[dict], results: dict[str, GroupResult]) -> list[str
         for row in result.ratios or ():
             if row.policy != "on":
                 continue
-            simulated = (result.simulated or {}).get("on", {}).get(row.rate, {})
+            simulated = (result.simulated or {})["on"][row.rate]
             hold = holds.get(row.rate)
             rows.append([
                 f"{dp}, {device}", f"{knees[row.rate]:.1f}x",
-                f"{result.observed['on'][row.rate].frozen:.2f} / {simulated['frozen']:.2f}",
+                f"{result.observed['on'][row.rate].frozen:.2f} / {simulated.frozen:.2f}",
                 *(ratio_text(row.ratios[key]) for key in RATIO_KEYS),
                 row.measured_verdict.category if row.measured_verdict else "-",
                 advise_text((result.advise or {}).get(row.rate)),

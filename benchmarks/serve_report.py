@@ -3,14 +3,20 @@
 Reads ``<out>/runs.json``, the client's result files (``raw/``) and the engine cores' step logs
 (``servers/<policy>/steps/``); writes ``summary.json`` (small, committed as
 docs/bench-serve.json), ``step_model.json``, ``table.md`` and ``bench-serve.png``.
+
+The analysis returns frozen dataclasses (``Summary`` and its parts, as ``emulated_analyse`` does);
+they become summary.json through ``to_json`` (and back through ``from_json``) in exactly the
+layout that file has always had. The runs stay runs.json's dicts: they are the raw material.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +43,251 @@ RUN_KEYS = "policy rate repeat load completed num_prompts result ttft_phases_ms 
 # A busy-loop iteration whose time outside _process_engine_step() exceeds this waited for input
 # (an idle server), not for a step's collectives: it is not a step time.
 IDLE_GAP_MS = 100.0
+
+
+# ------------------------------------------------------------------------ the typed results
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """One metric of a cell over its repeats: each repeat's value and their mean, min and max."""
+
+    values: tuple[float, ...]
+    mean: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Spread:
+        return cls(tuple(values), round(statistics.fmean(values), 2), min(values), max(values))
+
+    def text(self, decimals: int) -> str:
+        """``mean (min-max)``, a cell of the table."""
+        return f"{self.mean:.{decimals}f} ({self.min:.{decimals}f}-{self.max:.{decimals}f})"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"values": list(self.values)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Spread:
+        return cls(**data | {"values": tuple(data["values"])})
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredCell:
+    """One policy at one rate as vLLM's client measured it; where /metrics split the TTFT, also
+    the mean TTFT of the engine (WAITING, then the prefill: what the simulator models) and of the
+    client (None where not)."""
+
+    tok_s: Spread
+    ttft_p50_ms: Spread
+    ttft_p99_ms: Spread
+    tpot_p50_ms: Spread
+    engine_ttft_mean_ms: Spread | None = None
+    client_ttft_mean_ms: Spread | None = None
+
+    def to_json(self) -> dict:
+        spreads = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return {key: spread.to_json() for key, spread in spreads.items() if spread is not None}
+
+    @classmethod
+    def from_json(cls, data: dict) -> MeasuredCell:
+        return cls(**{key: Spread.from_json(spread) for key, spread in data.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class SimCell:
+    """One policy at one rate as the simulator ran it: the client's metrics, the share of steps
+    frozen, the ranks' balance (None in summaries written before it was kept), the mean TTFT."""
+
+    tok_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    frozen: float
+    balance: float | None
+    ttft_mean_ms: float
+
+    def to_json(self) -> dict:
+        fields = dataclasses.asdict(self)
+        if self.balance is None:
+            del fields["balance"]
+        return fields
+
+    @classmethod
+    def from_json(cls, data: dict) -> SimCell:
+        return cls(**{"balance": None} | data)
+
+
+MeasuredTable = dict[str, dict[str, MeasuredCell]]  # policy -> rate -> cell
+SimTable = dict[str, dict[str, SimCell]]
+
+
+def map_cells(table: dict, convert: Callable) -> dict:
+    """``convert`` applied to each cell of a two-level table (policy -> rate -> cell, or rate ->
+    metric -> cell), both levels' order kept: the tables' JSON, both ways."""
+    return {
+        key: {inner: convert(cell) for inner, cell in cells.items()} for key, cells in table.items()
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """The steps the step model was fitted to, the outliers among them, and R² over the rest."""
+
+    steps: int
+    outliers: int
+    r2: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepModel:
+    """The simulator's step model fitted to a server's steps (``fit_step_model``), and balance
+    on's measured cost per step where one was added (``gather_ms``)."""
+
+    fixed_ms: float
+    per_prefill_token_ms: float
+    per_decode_request_ms: float
+    per_kv_token_ms: float
+    shared_fraction: float
+    fit: Fit
+    gather_ms: float | None = None
+
+    def to_json(self) -> dict:
+        fields = dataclasses.asdict(self)
+        if self.gather_ms is None:
+            del fields["gather_ms"]
+        return fields
+
+    @classmethod
+    def from_json(cls, data: dict) -> StepModel:
+        return cls(**data | {"fit": Fit(**data["fit"])})
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillVsDecode:
+    """The median step with one typical prefill on a rank and the median step of decodes only."""
+
+    prefill_step_ms_p50: float
+    prefill_steps: int
+    decode_step_ms_p50: float
+    decode_steps: int
+    ratio: float
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherSide:
+    """One policy's decode-only steps at the lightest rate: how many, their median period and time
+    outside ``_process_engine_step()``, and its runs' frozen steps (None: no stats lines)."""
+
+    decode_steps: int
+    period_ms_p50: float
+    outside_step_ms_p50: float
+    frozen_steps: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherCost:
+    """Balance on vs off at ``rate``, the lightest (``gather_cost``)."""
+
+    rate: float
+    off: GatherSide
+    on: GatherSide
+    period_ratio_on_off: float
+    period_ms_p50_delta: float
+    outside_step_delta_ms: float
+
+    @classmethod
+    def from_json(cls, data: dict) -> GatherCost:
+        return cls(**data | {side: GatherSide(**data[side]) for side in ("off", "on")})
+
+
+@dataclasses.dataclass(frozen=True)
+class Sign:
+    """On - off of one metric at one rate, measured (means over the repeats) and simulated:
+    whether the two signs agree and whether the measured one is within the repeats' spread."""
+
+    measured_delta: float
+    simulated_delta: float
+    agree: bool
+    measured_within_spread: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SimOverMeasured:
+    """Simulated / measured at one cell: throughput and TTFT p50; where the TTFT's phases were
+    measured, also the engine's mean TTFT, and TTFT p50 with the front end's time added to the
+    simulated (None where not)."""
+
+    tok_s: float
+    ttft_p50_ms: float
+    engine_ttft_mean: float | None = None
+    ttft_p50_plus_front_end: float | None = None
+
+    def to_json(self) -> dict:
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """``agreement``'s rows: rate -> metric -> ``Sign``, and policy -> rate -> the ratios."""
+
+    sign: dict[str, dict[str, Sign]]
+    ratio: dict[str, dict[str, SimOverMeasured]]
+
+    def to_json(self) -> dict:
+        return {
+            "sign": map_cells(self.sign, dataclasses.asdict),
+            "ratio": map_cells(self.ratio, SimOverMeasured.to_json),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Agreement:
+        return cls(
+            sign=map_cells(data["sign"], lambda sign: Sign(**sign)),
+            ratio=map_cells(data["ratio"], lambda ratio: SimOverMeasured(**ratio)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """summary.json: the runs (what ``RUN_KEYS`` keeps of each) and the analysis; a part there was
+    nothing for (no balance-off steps, not both on and off) is None here and ``{}`` there."""
+
+    runs: list[dict]
+    measured: MeasuredTable
+    step_model: StepModel | None
+    prefill_vs_decode: PrefillVsDecode | None
+    gather_cost: GatherCost | None
+    simulated: SimTable
+    agreement: Agreement
+
+    def to_json(self) -> dict:
+        def part(value, to_json: Callable = dataclasses.asdict) -> dict:
+            return {} if value is None else to_json(value)
+
+        return {
+            "runs": self.runs,
+            "measured": map_cells(self.measured, MeasuredCell.to_json),
+            "step_model": part(self.step_model, StepModel.to_json),
+            "prefill_vs_decode": part(self.prefill_vs_decode),
+            "gather_cost": part(self.gather_cost),
+            "simulated": map_cells(self.simulated, SimCell.to_json),
+            "agreement": self.agreement.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Summary:
+        def part(name: str, from_json: Callable):
+            return from_json(data[name]) if data[name] else None
+
+        return cls(
+            runs=data["runs"],
+            measured=map_cells(data["measured"], MeasuredCell.from_json),
+            step_model=part("step_model", StepModel.from_json),
+            prefill_vs_decode=part("prefill_vs_decode", lambda fields: PrefillVsDecode(**fields)),
+            gather_cost=part("gather_cost", GatherCost.from_json),
+            simulated=map_cells(data["simulated"], SimCell.from_json),
+            agreement=Agreement.from_json(data["agreement"]),
+        )
 
 
 # ------------------------------------------------------------------------ step logs
@@ -112,7 +363,7 @@ def _work(record: dict) -> tuple[int, int, int]:
     return (record["prefill_tokens"], record["decode_reqs"], record["kv_tokens"])
 
 
-def fit_step_model(steps: list[dict]) -> dict:
+def fit_step_model(steps: list[dict]) -> StepModel:
     """``fixed_ms + max_r(a * prefill_r + b * decode_r + c * kv_r)`` fitted to the periods.
 
     The slowest rank decides (the simulator's model with ``shared_fraction`` 0): alternate between
@@ -144,21 +395,17 @@ def fit_step_model(steps: list[dict]) -> dict:
     r2 = 1 - np.sum((period[keep] - predicted[keep]) ** 2) / np.sum(
         (period[keep] - period[keep].mean()) ** 2
     )
-    return {
-        "fixed_ms": round(float(solution[0]), 3),
-        "per_prefill_token_ms": round(float(coef[0]), 4),
-        "per_decode_request_ms": round(float(coef[1]), 3),
-        "per_kv_token_ms": round(float(coef[2]), 5),
-        "shared_fraction": 0.0,
-        "fit": {
-            "steps": int(keep.sum()),
-            "outliers": int((~keep).sum()),
-            "r2": round(float(r2), 3),
-        },
-    }
+    return StepModel(
+        fixed_ms=round(float(solution[0]), 3),
+        per_prefill_token_ms=round(float(coef[0]), 4),
+        per_decode_request_ms=round(float(coef[1]), 3),
+        per_kv_token_ms=round(float(coef[2]), 5),
+        shared_fraction=0.0,
+        fit=Fit(steps=int(keep.sum()), outliers=int((~keep).sum()), r2=round(float(r2), 3)),
+    )
 
 
-def prefill_vs_decode(steps: list[dict], input_len: int) -> dict:
+def prefill_vs_decode(steps: list[dict], input_len: int) -> PrefillVsDecode | None:
     """Measured: a step with one typical prefill on a rank vs a step of decodes only."""
     typical = (0.75 * input_len, 1.25 * input_len)
     prefill = [
@@ -166,47 +413,47 @@ def prefill_vs_decode(steps: list[dict], input_len: int) -> dict:
     ]
     decode = [s["period_ms"] for s in steps if all(w[0] == 0 for w in s["work"])]
     if not prefill or not decode:
-        return {}
+        return None
     p, d = statistics.median(prefill), statistics.median(decode)
-    return {
-        "prefill_step_ms_p50": round(p, 2),
-        "prefill_steps": len(prefill),
-        "decode_step_ms_p50": round(d, 2),
-        "decode_steps": len(decode),
-        "ratio": round(p / d, 2),
-    }
+    return PrefillVsDecode(
+        prefill_step_ms_p50=round(p, 2),
+        prefill_steps=len(prefill),
+        decode_step_ms_p50=round(d, 2),
+        decode_steps=len(decode),
+        ratio=round(p / d, 2),
+    )
 
 
 def in_run(steps: list[dict], run: dict) -> list[dict]:
     return [s for s in steps if run["t0"] <= s["t"] <= run["t1"]]
 
 
-def gather_cost(steps_by_policy: dict, runs: list[dict]) -> dict:
+def gather_cost(steps_by_policy: dict, runs: list[dict]) -> GatherCost | None:
     """Balance on vs off at the lightest rate: per-iteration time of decode-only steps, and the
     time outside ``_process_engine_step()`` (where the gather is), medians over the repeats."""
     if "on" not in steps_by_policy or "off" not in steps_by_policy:
-        return {}
+        return None
     rate = min(r["rate"] for r in runs)
     side = {}
     for policy in ("off", "on"):
         chosen = [r for r in runs if r["policy"] == policy and r["rate"] == rate]
         steps = [s for r in chosen for s in in_run(steps_by_policy[policy], r)]
         decode = [s for s in steps if all(w[0] == 0 for w in s["work"]) and any(s["work"])]
-        side[policy] = {
-            "decode_steps": len(decode),
-            "period_ms_p50": round(statistics.median(s["period_ms"] for s in decode), 3),
-            "outside_step_ms_p50": round(statistics.median(s["gap_ms"] for s in decode), 3),
-            "frozen_steps": frozen_steps_in(chosen),
-        }
-    return {
-        "rate": rate,
-        **side,
-        "period_ratio_on_off": round(side["on"]["period_ms_p50"] / side["off"]["period_ms_p50"], 3),
-        "period_ms_p50_delta": round(side["on"]["period_ms_p50"] - side["off"]["period_ms_p50"], 3),
-        "outside_step_delta_ms": round(
-            side["on"]["outside_step_ms_p50"] - side["off"]["outside_step_ms_p50"], 3
-        ),
-    }
+        side[policy] = GatherSide(
+            decode_steps=len(decode),
+            period_ms_p50=round(statistics.median(s["period_ms"] for s in decode), 3),
+            outside_step_ms_p50=round(statistics.median(s["gap_ms"] for s in decode), 3),
+            frozen_steps=frozen_steps_in(chosen),
+        )
+    off, on = side["off"], side["on"]
+    return GatherCost(
+        rate=rate,
+        off=off,
+        on=on,
+        period_ratio_on_off=round(on.period_ms_p50 / off.period_ms_p50, 3),
+        period_ms_p50_delta=round(on.period_ms_p50 - off.period_ms_p50, 3),
+        outside_step_delta_ms=round(on.outside_step_ms_p50 - off.outside_step_ms_p50, 3),
+    )
 
 
 def frozen_steps_in(runs: list[dict]) -> int | None:
@@ -227,30 +474,26 @@ def frozen(stats: dict) -> float:
 
 
 # ------------------------------------------------------------------------ client numbers
-def measured(out: Path, runs: list[dict]) -> dict:
-    """policy -> rate -> {metric: {mean, min, max, values}} over the repeats, plus lengths."""
-    table: dict = {}
+def measured(out: Path, runs: list[dict]) -> MeasuredTable:
+    """policy -> rate -> each metric's ``Spread`` over the repeats; each run gets its result and
+    lengths."""
+    values: dict = {}
     for run in runs:
         result = json.loads((out / run["file"]).read_text())
         run["result"] = {ours: result[theirs] for theirs, ours in METRICS.items()}
         run.update({k: result[k] for k in CLIENT_KEYS.split()})
         run["ttft_phases_ms"] = ttft_phases(run, result)
-        cell = table.setdefault(run["policy"], {}).setdefault(f"{run['rate']:g}", {})
+        cell = values.setdefault(run["policy"], {}).setdefault(f"{run['rate']:g}", {})
         phases = run["ttft_phases_ms"]
         if phases and phases.get("queue") is not None and phases.get("prefill") is not None:
             # The part of TTFT the simulator models: WAITING in the scheduler, then the prefill.
             run["result"]["engine_ttft_mean_ms"] = phases["queue"] + phases["prefill"]
             run["result"]["client_ttft_mean_ms"] = phases["client_ttft"]
         for key, value in run["result"].items():
-            cell.setdefault(key, {"values": []})["values"].append(round(value, 2))
-    for cells in table.values():
-        for cell in cells.values():
-            for stats in cell.values():
-                values = stats["values"]
-                stats.update(
-                    mean=round(statistics.fmean(values), 2), min=min(values), max=max(values)
-                )
-    return table
+            cell.setdefault(key, []).append(round(value, 2))
+    return map_cells(
+        values, lambda cell: MeasuredCell(**{k: Spread.of(v) for k, v in cell.items()})
+    )
 
 
 def ttft_phases(run: dict, result: dict) -> dict:
@@ -273,13 +516,13 @@ def ttft_phases(run: dict, result: dict) -> dict:
 def simulate(
     out: Path,
     runs: list[dict],
-    model: dict,
+    model: StepModel,
     max_num_seqs: int,
     seed: int,
     dp: int = 2,
     sim_args: tuple[str, ...] = (),
     sim_dir: Path | None = None,
-) -> dict:
+) -> SimTable:
     """The simulator at ``dp`` ranks per rate on the measured requests' lengths, with ``model``.
 
     The trace is that rate's first run as the client recorded it: each request's send time
@@ -293,10 +536,11 @@ def simulate(
     sim_dir = out / "sim" if sim_dir is None else sim_dir
     sim_dir.mkdir(parents=True, exist_ok=True)
     keys = ("fixed_ms", "per_prefill_token_ms", "per_decode_request_ms", "per_kv_token_ms")
-    step_model = {k: model[k] for k in keys} | {"gather_ms": model.get("gather_ms", 0.64)}
+    gather_ms = 0.64 if model.gather_ms is None else model.gather_ms
+    step_model = {k: getattr(model, k) for k in keys} | {"gather_ms": gather_ms}
     model_file.write_text(json.dumps(step_model, indent=1) + "\n")
     policies = sorted({r["policy"] for r in runs})
-    simulated: dict = {}
+    simulated: SimTable = {}
     for rate in sorted({r["rate"] for r in runs}):
         first = next(r for r in runs if r["rate"] == rate)
         begin = min(first["start_times"])
@@ -320,56 +564,57 @@ def simulate(
         document = json.loads((sim_out / "sim.json").read_text())
         for policy, run in document["policies"].items():
             summary = run["summary"]
-            simulated.setdefault(policy, {})[f"{rate:g}"] = {
-                ours: round(summary[theirs], 2) for theirs, ours in SIM_METRICS.items()
-            } | {
-                "frozen": summary["frozen_fraction"],
-                "balance": summary["balance_ratio"],
-                "ttft_mean_ms": round(1000.0 * statistics.fmean(run["requests"]["ttft_s"]), 1),
-            }
+            simulated.setdefault(policy, {})[f"{rate:g}"] = SimCell(
+                **{ours: round(summary[theirs], 2) for theirs, ours in SIM_METRICS.items()},
+                frozen=summary["frozen_fraction"],
+                balance=summary["balance_ratio"],
+                ttft_mean_ms=round(1000.0 * statistics.fmean(run["requests"]["ttft_s"]), 1),
+            )
     return simulated
 
 
-def agreement(table: dict, simulated: dict) -> dict:
+def agreement(table: MeasuredTable, simulated: SimTable) -> Agreement:
     """Per rate: the sign of on-vs-off (TTFT p99, throughput) measured vs simulated, and per
     policy and rate the simulated/measured ratio of throughput and TTFT p50."""
-    rows: dict = {"sign": {}, "ratio": {}}
+    signs: dict[str, dict[str, Sign]] = {}
+    ratios: dict[str, dict[str, SimOverMeasured]] = {}
     for rate in table.get("off", {}):
         for key in ("ttft_p99_ms", "tok_s"):
             if "on" not in table or "on" not in simulated:
                 continue
-            m = table["on"][rate][key]["mean"] - table["off"][rate][key]["mean"]
-            s = simulated["on"][rate][key] - simulated["off"][rate][key]
-            spread = max(
-                table[p][rate][key]["max"] - table[p][rate][key]["min"] for p in ("on", "off")
+            on, off = getattr(table["on"][rate], key), getattr(table["off"][rate], key)
+            m = on.mean - off.mean
+            s = getattr(simulated["on"][rate], key) - getattr(simulated["off"][rate], key)
+            signs.setdefault(rate, {})[key] = Sign(
+                measured_delta=round(m, 2),
+                simulated_delta=round(s, 2),
+                agree=(m > 0) == (s > 0),
+                measured_within_spread=abs(m) <= max(on.max - on.min, off.max - off.min),
             )
-            rows["sign"].setdefault(rate, {})[key] = {
-                "measured_delta": round(m, 2),
-                "simulated_delta": round(s, 2),
-                "agree": (m > 0) == (s > 0),
-                "measured_within_spread": abs(m) <= spread,
-            }
     for policy, cells in table.items():
         for rate, cell in cells.items():
             sim = simulated.get(policy, {}).get(rate)
             if sim:
-                ratios = {
-                    key: round(sim[key] / cell[key]["mean"], 3) for key in ("tok_s", "ttft_p50_ms")
-                }
-                if "engine_ttft_mean_ms" in cell:
-                    engine = cell["engine_ttft_mean_ms"]["mean"]
-                    ratios["engine_ttft_mean"] = round(sim["ttft_mean_ms"] / engine, 3)
+                engine_ratio = front_end_ratio = None
+                if cell.engine_ttft_mean_ms and cell.client_ttft_mean_ms:
+                    engine = cell.engine_ttft_mean_ms.mean
+                    engine_ratio = round(sim.ttft_mean_ms / engine, 3)
                     # What the simulator does not model: HTTP, tokenizing, the front end's IPC.
-                    front_end = cell["client_ttft_mean_ms"]["mean"] - engine
-                    ratios["ttft_p50_plus_front_end"] = round(
-                        (sim["ttft_p50_ms"] + front_end) / cell["ttft_p50_ms"]["mean"], 3
+                    front_end = cell.client_ttft_mean_ms.mean - engine
+                    front_end_ratio = round(
+                        (sim.ttft_p50_ms + front_end) / cell.ttft_p50_ms.mean, 3
                     )
-                rows["ratio"].setdefault(policy, {})[rate] = ratios
-    return rows
+                ratios.setdefault(policy, {})[rate] = SimOverMeasured(
+                    tok_s=round(sim.tok_s / cell.tok_s.mean, 3),
+                    ttft_p50_ms=round(sim.ttft_p50_ms / cell.ttft_p50_ms.mean, 3),
+                    engine_ttft_mean=engine_ratio,
+                    ttft_p50_plus_front_end=front_end_ratio,
+                )
+    return Agreement(signs, ratios)
 
 
 # ------------------------------------------------------------------------ writing
-def write_plot(path: Path, table: dict, simulated: dict) -> None:
+def write_plot(path: Path, table: MeasuredTable, simulated: SimTable) -> None:
     from balance_sim.report import _pyplot
 
     plt = _pyplot()
@@ -381,13 +626,14 @@ def write_plot(path: Path, table: dict, simulated: dict) -> None:
         rates = sorted(table[policy], key=float)
         x = [float(r) for r in rates]
         for ax, (key, label) in zip(axes, panels):
-            mean = [table[policy][r][key]["mean"] for r in rates]
-            low = [m - table[policy][r][key]["min"] for m, r in zip(mean, rates)]
-            high = [table[policy][r][key]["max"] - m for m, r in zip(mean, rates)]
+            spreads = [getattr(table[policy][r], key) for r in rates]
+            mean = [s.mean for s in spreads]
+            low = [s.mean - s.min for s in spreads]
+            high = [s.max - s.mean for s in spreads]
             ax.errorbar(x, mean, yerr=[low, high], color=color, marker="o", capsize=3,
                         label=f"{policy} (measured)")  # fmt: skip
             if policy in simulated:
-                ax.plot(x, [simulated[policy][r][key] for r in rates], color=color,
+                ax.plot(x, [getattr(simulated[policy][r], key) for r in rates], color=color,
                         linestyle="--", marker="x", label=f"{policy} (simulated)")  # fmt: skip
             ax.set_xlabel("request rate (req/s)")
             ax.set_title(label)
@@ -403,7 +649,7 @@ def write_plot(path: Path, table: dict, simulated: dict) -> None:
 DECIMALS = {"tok_s": 0, "ttft_p50_ms": 0, "ttft_p99_ms": 0, "tpot_p50_ms": 1}
 
 
-def table_markdown(table: dict, simulated: dict, extra: dict | None = None) -> str:
+def table_markdown(table: MeasuredTable, simulated: SimTable, extra: dict | None = None) -> str:
     """Measured (mean and min-max over repeats) and simulated, per policy and rate.
 
     ``extra``: more columns, header -> ``cell(policy, rate) -> str``, appended to each row."""
@@ -411,9 +657,9 @@ def table_markdown(table: dict, simulated: dict, extra: dict | None = None) -> s
     rows = []
     for policy, cells in table.items():
         for rate in sorted(cells, key=float):
-            cell, sim = cells[rate], simulated.get(policy, {}).get(rate, {})
-            spreads = [spread(cell[k], d) for k, d in DECIMALS.items()]
-            sims = [f"{sim[k]:.{d}f}" if sim else "-" for k, d in DECIMALS.items()]
+            cell, sim = cells[rate], simulated.get(policy, {}).get(rate)
+            spreads = [getattr(cell, k).text(d) for k, d in DECIMALS.items()]
+            sims = [f"{getattr(sim, k):.{d}f}" if sim else "-" for k, d in DECIMALS.items()]
             rows.append([policy, rate, *spreads, *sims, *(f(policy, rate) for f in extra.values())])
     header = "policy | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | sim tok/s | "
     header += "sim TTFT p50 | sim TTFT p99 | sim TPOT p50"
@@ -421,31 +667,25 @@ def table_markdown(table: dict, simulated: dict, extra: dict | None = None) -> s
     return "\n".join(markdown_table(header, rows)) + "\n"
 
 
-def spread(stats: dict, decimals: int) -> str:
-    return f"{stats['mean']:.{decimals}f} ({stats['min']:.{decimals}f}-{stats['max']:.{decimals}f})"
-
-
 def by_rate(cells: dict) -> list:
     return sorted(cells.items(), key=lambda item: float(item[0]))
 
 
-def agreement_markdown(rows: dict) -> str:
+def agreement_markdown(rows: Agreement) -> str:
     """The acceptance view: sign of on - off per rate, and simulated / measured per cell."""
     signs = []
-    for rate, keys in by_rate(rows["sign"]):
+    for rate, keys in by_rate(rows.sign):
         signs.append([rate])
         for sign in (keys["ttft_p99_ms"], keys["tok_s"]):
-            noise = " (within spread)" if sign["measured_within_spread"] else ""
-            signs[-1].append(
-                f"{sign['measured_delta']:+.0f}{noise} / {sign['simulated_delta']:+.0f}"
-            )
-            signs[-1].append("yes" if sign["agree"] else "**no**")
+            noise = " (within spread)" if sign.measured_within_spread else ""
+            signs[-1].append(f"{sign.measured_delta:+.0f}{noise} / {sign.simulated_delta:+.0f}")
+            signs[-1].append("yes" if sign.agree else "**no**")
     columns = ("tok_s", "ttft_p50_ms", "ttft_p50_plus_front_end", "engine_ttft_mean")
-    ratios = [
-        [policy, rate, *("-" if ratio.get(k) is None else f"{ratio[k]:.2f}" for k in columns)]
-        for policy, cells in rows["ratio"].items()
-        for rate, ratio in by_rate(cells)
-    ]
+    ratios = []
+    for policy, cells in rows.ratio.items():
+        for rate, ratio in by_rate(cells):
+            values = [getattr(ratio, k) for k in columns]
+            ratios.append([policy, rate, *("-" if v is None else f"{v:.2f}" for v in values)])
     lines = markdown_table(
         "req/s | on - off TTFT p99 ms: measured / simulated | agree | on - off tok/s: "
         "measured / simulated | agree",
@@ -459,34 +699,35 @@ def agreement_markdown(rows: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report(out: Path, input_len: int, max_num_seqs: int, seed: int) -> dict:
+def report(out: Path, input_len: int, max_num_seqs: int, seed: int) -> Summary:
     """``serve.py`` passes its workload's constants (this module does not import it: no loop)."""
     runs = json.loads((out / "runs.json").read_text())
     table = measured(out, runs)
     steps_by_policy = {p: cluster_steps(load_steps(out, p)) for p in table}
     off_steps = [s for r in runs if r["policy"] == "off" for s in in_run(steps_by_policy["off"], r)]
-    model = fit_step_model(off_steps) if off_steps else {}
+    model = fit_step_model(off_steps) if off_steps else None
     gather = gather_cost(steps_by_policy, runs)
-    if gather:
+    if model and gather:
         # Balance on's whole measured cost per step (the gate idle): what the simulator charges
         # as gather_ms, so the comparison below carries what balance really costs this server.
-        delta = gather["period_ms_p50_delta"]
-        model["gather_ms"] = round(max(delta, 0.0), 3)
+        delta = gather.period_ms_p50_delta
+        model = dataclasses.replace(model, gather_ms=round(max(delta, 0.0), 3))
     simulated = simulate(out, runs, model, max_num_seqs, seed) if model else {}
-    summary = {
-        "runs": [{k: run.get(k) for k in RUN_KEYS.split()} for run in runs],
-        "measured": table,
-        "step_model": model,
-        "prefill_vs_decode": prefill_vs_decode(off_steps, input_len),
-        "gather_cost": gather,
-        "simulated": simulated,
-        "agreement": agreement(table, simulated),
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    markdown = table_markdown(table, simulated) + "\n" + agreement_markdown(summary["agreement"])
+    summary = Summary(
+        runs=[{k: run.get(k) for k in RUN_KEYS.split()} for run in runs],
+        measured=table,
+        step_model=model,
+        prefill_vs_decode=prefill_vs_decode(off_steps, input_len),
+        gather_cost=gather,
+        simulated=simulated,
+        agreement=agreement(table, simulated),
+    )
+    data = summary.to_json()
+    (out / "summary.json").write_text(json.dumps(data, indent=1) + "\n")
+    markdown = table_markdown(table, simulated) + "\n" + agreement_markdown(summary.agreement)
     (out / "table.md").write_text(markdown)
     write_plot(out / "bench-serve.png", table, simulated)
     print((out / "table.md").read_text())
-    print(json.dumps({k: summary[k] for k in ("step_model", "prefill_vs_decode", "gather_cost",
-                                              "agreement")}, indent=1))  # fmt: skip
+    print(json.dumps({k: data[k] for k in ("step_model", "prefill_vs_decode", "gather_cost",
+                                           "agreement")}, indent=1))  # fmt: skip
     return summary
