@@ -246,6 +246,27 @@ def engine_core_skips_gather() -> None:
     BalanceDPEngineCoreProc._has_global_unfinished_reqs = _has_global_unfinished_reqs
 
 
+def gather_only_on_dp_sync_steps() -> None:
+    """The engine core gathers only on the steps where vLLM syncs its DP ranks (a wave's first
+    step and every ``dp_sync_interval``-th): the gate decides on counts up to 15 steps old."""
+    from vllm_balance.shim.engine_core import BalanceDPEngineCoreProc
+
+    def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
+        result = super(BalanceDPEngineCoreProc, self)._has_global_unfinished_reqs(local_unfinished)
+        if self.step_counter == 1 or self.step_counter % self.dp_sync_interval == 0:
+            self.balance_scheduler.balance_gather()
+        return result
+
+    BalanceDPEngineCoreProc._has_global_unfinished_reqs = _has_global_unfinished_reqs
+
+
+def _syncs_every_dp_sync_interval() -> bool:
+    """Whether this vLLM syncs its DP ranks only every ``dp_sync_interval`` steps."""
+    from vllm.config import ParallelConfig
+
+    return "dp_sync_interval" in getattr(ParallelConfig, "__dataclass_fields__", {})
+
+
 def buffer_fixed_at_start_size() -> None:
     """The gather keeps its start-up buffer, rank and size when vLLM swaps in a DP group of
     another size (an elastic-EP resize): the group is used, nothing sized by it."""
@@ -424,6 +445,13 @@ MUTANTS = {
             ("shim", "compat"),
             engine_core_skips_gather,
             files=("tests/multiproc/test_entrypoint.py",),
+        ),
+        Mutant(
+            "gather_only_on_dp_sync_steps",
+            "the engine core gathers only on vLLM's DP-sync steps (every `dp_sync_interval`)",
+            ("shim", "compat"),
+            gather_only_on_dp_sync_steps,
+            has_target=_syncs_every_dp_sync_interval,
         ),
         Mutant(
             "buffer_fixed_at_start_size",

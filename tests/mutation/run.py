@@ -4,6 +4,7 @@
     python tests/mutation/run.py                    # baseline + every mutant of the active path
     python tests/mutation/run.py --mutant gate_wrong_cap --profile soak
     python tests/mutation/run.py --write-doc        # also write its column in docs/testing.md
+    python tests/mutation/run.py --mutant X --write-doc   # only X's cells, same vLLM as the column
 
 One pytest process per mutant (the mutant is applied by the ``pytest_mutant`` plugin before any
 test module is imported), on the installed vLLM: the compat path without the seam, the shim path
@@ -189,15 +190,24 @@ def read_kill_table(text: str) -> tuple[dict[str, str], dict[str, dict[str, dict
     return versions, results
 
 
-def write_doc(path: str, vllm_version: str, rows: list[dict]) -> None:
-    """Replace ``path``'s column of the doc's kill table with this run's results."""
+def write_doc(path: str, vllm_version: str, rows: list[dict], partial: bool = False) -> None:
+    """Replace ``path``'s column of the doc's kill table with this run's results; ``partial``
+    (a run of named mutants): replace only their cells, in a column of the same vLLM."""
     text = DOC.read_text(encoding="utf-8")
     head, found, rest = text.partition(KILL_TABLE[0])
     if not found or KILL_TABLE[1] not in rest:
         raise SystemExit(f"{DOC}: no {KILL_TABLE[0]} ... {KILL_TABLE[1]} markers")
     tail = rest.split(KILL_TABLE[1], 1)[1]
     versions, results = read_kill_table(text)
-    versions[path], results[path] = vllm_version, path_results(rows)
+    if partial and versions[path] != vllm_version:
+        raise SystemExit(
+            f"the {path} column is vLLM {versions[path]}'s, this run's is {vllm_version}: "
+            "write a whole column (no --mutant) or run on that vLLM"
+        )
+    if partial:  # the named mutants' cells; the column's baseline stays the whole run's
+        results[path].update({k: v for k, v in path_results(rows).items() if k != "none"})
+    else:
+        versions[path], results[path] = vllm_version, path_results(rows)
     section = kill_table(versions, results)
     DOC.write_text(f"{head}{KILL_TABLE[0]}\n{section}{KILL_TABLE[1]}{tail}", encoding="utf-8")
 
@@ -241,12 +251,15 @@ def main() -> int:
             print(row["tail"])
             print("baseline fails: fix the suite before reading any kill table")
             return 1
-    command = "python tests/mutation/run.py" + (" --write-doc" if args.write_doc else "")
+    command = " ".join(
+        ["python tests/mutation/run.py", *(f"--mutant {name}" for name in args.mutant or ())]
+        + (["--write-doc"] if args.write_doc else [])
+    )
     rows += [{"mutant": n, "no_target": True} for n in sorted(no_target)]
     section = table(path, vllm_version, rows, command)
     print(section)
-    if args.write_doc and not args.mutant:
-        write_doc(path, vllm_version, rows)
+    if args.write_doc:
+        write_doc(path, vllm_version, rows, partial=bool(args.mutant))
     survivors = [r["mutant"] for r in rows[1:] if not r.get("no_target") and not killed(r)]
     if survivors:
         print(f"surviving mutants: {', '.join(survivors)}")
