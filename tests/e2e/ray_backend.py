@@ -23,25 +23,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm.utils.network_utils import get_open_port
 from vllm_balance_e2e_plugins.step_timing import STEP_DIR_ENV
 
-from balance_testbed.server import (
-    STOP_TIMEOUT_S,
-    ServerError,
-    VllmServer,
-    identity,
-    running,
-    session_pids,
-)
+from balance_testbed.server import ServerError, VllmServer
+from balance_testbed.session_process import SessionProcess
 from tests.e2e.multinode import step_records
 from tests.e2e.ray_site.sitecustomize import RAY_DEVICE_KEY_ENV
 from tests.e2e.runs import (
@@ -86,35 +77,25 @@ def ray_env(home: Path) -> dict[str, str]:
     }
 
 
-class RayCluster:
-    """``ray start --head --block`` in its own session under ``workdir``; a context manager."""
+class RayCluster(SessionProcess):
+    """``ray start --head --block`` in its own session under ``workdir``; a context manager.
+
+    Stopped as the server is (``SessionProcess``): ``ray start`` stops what it started on
+    SIGTERM; then Ray's logs are kept in ``workdir`` and its temp directory removed.
+    """
+
+    label = "ray start"
 
     def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
+        super().__init__(workdir, workdir / "ray.log")
         self.home = workdir / "home"
         # Not $TMPDIR: nox points it into the virtualenv.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="vbal-ray-", dir="/tmp"))
-        self.log_path = workdir / "ray.log"
         self.port = 0
-        self.process: subprocess.Popen | None = None
-        self.seen: set[tuple[int, str]] = set()
-        self.stop_report: dict = {}
 
     @property
     def address(self) -> str:
         return f"{LOOPBACK}:{self.port}"
-
-    def __enter__(self) -> RayCluster:
-        self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.stop()
 
     def start(self) -> None:
         for directory in (self.home, self.temp_dir):
@@ -125,62 +106,22 @@ class RayCluster:
                 "--port", str(self.port), "--num-cpus", str(RAY_CPUS), "--num-gpus", str(RAY_GPUS),
                 "--temp-dir", str(self.temp_dir), "--include-dashboard", "false",
                 "--disable-usage-stats"]  # fmt: skip
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                argv,
-                env={**os.environ, **ray_env(self.home)},
-                cwd=self.workdir,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.launch(argv, {**os.environ, **ray_env(self.home)})
 
     def wait_ready(self) -> None:
         """Until ``ray start`` says the node is up (its --block line). Raises ServerError."""
-        deadline = time.monotonic() + RAY_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            self.note_processes()
-            if self.process.poll() is not None:
-                raise ServerError(f"ray start exited with {self.process.returncode}\n{self.log()}")
-            if "will now block forever" in self.log():
-                return
-            time.sleep(1)
-        raise ServerError(f"Ray not up after {RAY_START_TIMEOUT_S:.0f} s\n{self.log()}")
+        if not self.poll_until_ready(self._up, RAY_START_TIMEOUT_S, poll_s=1):
+            raise ServerError(f"Ray not up after {RAY_START_TIMEOUT_S:.0f} s\n{self.log_text()}")
 
-    def note_processes(self) -> None:
-        self.seen.update(filter(None, map(identity, session_pids(self.process.pid))))
+    def _up(self) -> bool:
+        return "will now block forever" in self.log_text()
 
-    def live_pids(self) -> list[int]:
-        self.note_processes()
-        return sorted(pid for pid, start in self.seen if running((pid, start)))
-
-    def stop(self) -> dict:
-        """SIGTERM ``ray start`` (it stops its processes), then SIGKILL what is left, by PID."""
-        if self.process is None or self.stop_report:
-            return self.stop_report
-        self.note_processes()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while time.monotonic() < deadline and (self.process.poll() is None or self.live_pids()):
-            time.sleep(0.5)
-        killed = []
-        for pid in self.live_pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            except ProcessLookupError:
-                pass
-        self.stop_report = {"returncode": self.process.poll(), "killed": killed}
+    def after_stop(self) -> None:
+        """Ray's logs into ``workdir`` (``ray-logs``); its temp directory removed."""
         logs = self.temp_dir / "session_latest" / "logs"
         if logs.is_dir():
             shutil.copytree(logs, self.workdir / "ray-logs", dirs_exist_ok=True)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
-        return self.stop_report
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
 @dataclass
