@@ -34,6 +34,7 @@ from benchmarks.serve_report import (
     SimTable,
     StepModel,
     map_cells,
+    present_fields,
 )
 
 RATIO_KEYS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
@@ -53,10 +54,10 @@ class Ratio:
     in_interval: bool | None = None
 
     def to_json(self) -> dict:
-        fields = dataclasses.asdict(self)
+        fields = present_fields(self)
         if self.interval is not None:
             fields["interval"] = list(self.interval)
-        return {key: value for key, value in fields.items() if value is not None}
+        return fields
 
     @classmethod
     def from_json(cls, data: dict) -> Ratio:

@@ -46,6 +46,12 @@ IDLE_GAP_MS = 100.0
 
 
 # ------------------------------------------------------------------------ the typed results
+def present_fields(result) -> dict:
+    """A result's fields as JSON, a field left None absent (not ``null``): the layout the
+    summaries have always had, where a part not measured was simply not written."""
+    return {key: value for key, value in dataclasses.asdict(result).items() if value is not None}
+
+
 @dataclasses.dataclass(frozen=True)
 class Spread:
     """One metric of a cell over its repeats: each repeat's value and their mean, min and max."""
@@ -107,10 +113,7 @@ class SimCell:
     ttft_mean_ms: float
 
     def to_json(self) -> dict:
-        fields = dataclasses.asdict(self)
-        if self.balance is None:
-            del fields["balance"]
-        return fields
+        return present_fields(self)
 
     @classmethod
     def from_json(cls, data: dict) -> SimCell:
@@ -152,10 +155,7 @@ class StepModel:
     gather_ms: float | None = None
 
     def to_json(self) -> dict:
-        fields = dataclasses.asdict(self)
-        if self.gather_ms is None:
-            del fields["gather_ms"]
-        return fields
+        return present_fields(self)
 
     @classmethod
     def from_json(cls, data: dict) -> StepModel:
@@ -223,7 +223,7 @@ class SimOverMeasured:
     ttft_p50_plus_front_end: float | None = None
 
     def to_json(self) -> dict:
-        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+        return present_fields(self)
 
 
 @dataclasses.dataclass(frozen=True)
