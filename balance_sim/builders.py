@@ -15,6 +15,7 @@ The simulator's clusters are made of these; the test suite builds on them too
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import os
 import shutil
@@ -220,16 +221,20 @@ def model_runner_output(scheduler_output, scheduler, token_id: int = 7):
     One sampled token for each scheduled request whose prompt is complete after this step
     (partial prefill chunks sample nothing, as in vLLM's GPU model runner).
     """
-    from vllm.v1.outputs import ModelRunnerOutput
-
     req_ids = list(scheduler_output.num_scheduled_tokens)
     # schedule() has already advanced num_computed_tokens and set is_prefill_chunk
     # (_update_after_schedule), so "prompt complete after this step" reads directly.
     sampled = [
         [] if scheduler.requests[req_id].is_prefill_chunk else [token_id] for req_id in req_ids
     ]
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-    )
+    return runner_output(req_ids, sampled)
+
+
+def runner_output(req_ids: list[str], sampled: list[list[int]]):
+    """A ``ModelRunnerOutput`` of these requests' sampled tokens, in the release's form."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    fields: dict[str, Any] = {"req_ids": req_ids, "sampled_token_ids": sampled}
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # to 0.33
+        fields["req_id_to_index"] = {req_id: i for i, req_id in enumerate(req_ids)}
+    return ModelRunnerOutput(**fields)

@@ -112,7 +112,9 @@ def _rank_config(vllm_config: Any, rank: int) -> Any:
 
 
 def _admitted(output: Any) -> int:
-    return len(output.scheduled_new_reqs) + len(output.scheduled_cached_reqs.resumed_req_ids)
+    return len(output.scheduled_new_reqs) + len(
+        getattr(output.scheduled_cached_reqs, "resumed_req_ids", ())
+    )
 
 
 class Cluster:

@@ -254,7 +254,9 @@ def show_balance_log_lines(interval_s: float) -> None:
     Policy.log_interval_s = interval_s
     # vLLM's handler filters at VLLM_LOGGING_LEVEL (quieted to WARNING above): give the
     # product's logger its own INFO handler in vLLM's line format instead.
-    logger = logging.getLogger("vllm_balance")
+    from vllm_balance.log import LOGGER_NAME
+
+    logger = logging.getLogger(LOGGER_NAME)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("INFO %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
     logger.handlers = [handler]

@@ -179,6 +179,10 @@ class VerifiedRef:
     fingerprint: str
     date: str
     evidence: str
+    # The frozen step's hold on this schedule() (compat/pause_state.py): "pause-state" once the
+    # pause-state differential found it identical to the contract's hold, else the copy.
+    hold: str = "derived-copy"
+    hold_evidence: str = ""
 
 
 def verified_refs() -> list[VerifiedRef]:

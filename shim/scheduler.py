@@ -80,12 +80,23 @@ class BalanceSchedulerMixin(RunningCountGather, _SchedulerBase):
         """A frozen step: upstream's, but a step the gate held records nothing for vLLM's prefill
         cadence (a hold is policy, not capacity: docs/design.md, Phase 2B, "a hold is not a
         capacity limit")."""
-        self.admission_held = False
         capacity_bound = self.prefill_capacity_bound
-        output = super().schedule(throttle_prefills)
+        output, self.admission_held = self._hold_and_schedule(throttle_prefills)
         if self.admission_held:
             self.prefill_capacity_bound = capacity_bound
         return output
+
+    def _hold_and_schedule(self, throttle_prefills: bool) -> tuple[SchedulerOutput, bool]:
+        """Upstream's step under this path's hold, and whether the hold stopped an admission.
+
+        Here the seam (or the derived copy's gate) holds and records it; the pause-state path
+        holding another way (the pause-state hold) overrides this."""
+        self.admission_held = False
+        output = self._upstream_schedule(throttle_prefills)
+        return output, self.admission_held
+
+    def _upstream_schedule(self, throttle_prefills: bool) -> SchedulerOutput:
+        return super().schedule(throttle_prefills)
 
     def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
         """Upstream's stats; after a publish, carrying its counters to the API server

@@ -52,6 +52,11 @@ class AsyncLoadConnector(KVConnectorBase_V1):
             return 0, False
         return request.num_prompt_tokens - num_computed_tokens, True
 
+    def may_load_async(self, request: Any) -> bool:
+        # vLLM 0.34+ (with --max-num-inflight-kv-loads): such a request queues in
+        # async_kv_waiting and may start its load while the running batch is full.
+        return request.request_id.startswith(REMOTE)
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         pass
 

@@ -22,6 +22,7 @@ from balance_testbed import factories
 from balance_testbed.engine_probe import HandshakeProbe, install_probe, launch_engine_core
 from vllm_balance import activation, plugin, registry
 from vllm_balance.config import DEPRECATED_ENV_VAR
+from vllm_balance.log import LOGGER_NAME
 from vllm_balance.shim.engine_core import BalanceDPEngineCoreProc
 from vllm_balance.shim.scheduler import BalanceSchedulerMixin
 
@@ -187,7 +188,7 @@ def test_engine_core_warns_about_its_config_once(monkeypatch, caplog, fresh_once
     # deprecated variable's warning prints once per engine process all the same.
     monkeypatch.setenv(DEPRECATED_ENV_VAR, "1")
     config = dp_config(additional_config={})
-    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         assert activation.activate_for(config) is True
         scheduler = factories.make_scheduler(config.scheduler_config.scheduler_cls, config)
     assert scheduler._balance_enabled
@@ -357,7 +358,7 @@ def test_foreign_scheduler_cls_is_refused_with_how_to_combine():
 )
 def test_balance_that_cannot_act_warns_and_installs_nothing(caplog, config_kwargs, message):
     config = dp_config(**config_kwargs)
-    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         assert activation.activate_for(config) is False
     assert message in caplog.text
     assert core_module.DPEngineCoreProc is DPEngineCoreProc
@@ -431,7 +432,7 @@ def test_refusals_only_where_balance_could_act_a_warning_elsewhere(
     ascend_scheduler = type("BalanceScheduler", (Scheduler,), {"__module__": module.__name__})
     monkeypatch.setattr(scheduler_module, "Scheduler", ascend_scheduler)
     config = with_kv_role(monkeypatch, dp_config(**config_kwargs), "kv_producer")
-    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         assert activation.activate_for(config) is False
     assert "nothing is installed" in caplog.text
     assert core_module.DPEngineCoreProc is DPEngineCoreProc

@@ -10,6 +10,7 @@ requests and compares the ``SchedulerOutput``s (their reprs carry every field).
 from __future__ import annotations
 
 import pytest
+from conftest import no_derived_copy_reason
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -19,6 +20,8 @@ if has_seam():
     # The seam sessions run the shim; compat is never selected there (and would rightly
     # refuse the seamed schedule() as unverified). Its drift test runs in the compat sessions.
     pytest.skip("vLLM has the seam: the compat path is not used", allow_module_level=True)
+if reason := no_derived_copy_reason():
+    pytest.skip(reason, allow_module_level=True)
 
 from balance_testbed.factories import (
     make_request,

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import vllm
 import vllm.v1.core.sched.scheduler as scheduler_module
+from conftest import no_derived_copy_reason
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from balance_testbed.pins import read_pin
@@ -30,6 +31,8 @@ if has_seam():
     # The seam sessions run the shim; compat is never selected there (and would rightly
     # refuse the seamed schedule() as unverified). Its drift test runs in the compat sessions.
     pytest.skip("vLLM has the seam: the compat path is not used", allow_module_level=True)
+if reason := no_derived_copy_reason():
+    pytest.skip(reason, allow_module_level=True)
 
 from balance_testbed.factories import add_requests, make_requests, make_scheduler
 from vllm_balance.compat import derive
@@ -46,6 +49,7 @@ from vllm_balance.compat.derive import (
     UnverifiedSchedule,
     normalized_dump,
 )
+from vllm_balance.log import LOGGER_NAME
 from vllm_balance.slot_check import is_slot_check
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -285,7 +289,7 @@ def test_override_allows_unverified_schedule_with_a_warning(monkeypatch, caplog,
         derive.build_phase2a_schedule()
     # ...and the operator's override lets it through, naming the fingerprint.
     monkeypatch.setenv(ALLOW_UNVERIFIED_ENV, "1")
-    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         cls = derive.build_phase2a_schedule()
     assert issubclass(cls, Scheduler)
     installed = derive.fingerprint(upstream_schedule_ast())

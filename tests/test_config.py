@@ -13,6 +13,7 @@ import pytest
 
 from balance_testbed import factories
 from vllm_balance.config import DEPRECATED_ENV_VAR, balance_enabled
+from vllm_balance.log import LOGGER_NAME
 
 
 @functools.cache
@@ -72,14 +73,14 @@ def test_non_boolean_nested_value_names_the_nested_key():
 
 def test_deprecated_env_var_enables_with_a_warning(monkeypatch, caplog, fresh_once_logs):
     monkeypatch.setenv(DEPRECATED_ENV_VAR, "1")
-    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         assert enabled_with({}) is True
     assert f"{DEPRECATED_ENV_VAR} is deprecated" in caplog.text
 
 
 def test_additional_config_wins_over_deprecated_env_var(monkeypatch, caplog, fresh_once_logs):
     monkeypatch.setenv(DEPRECATED_ENV_VAR, "1")
-    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         assert enabled_with({"enable_balance_scheduling": False}) is False
     assert "deprecated" not in caplog.text  # never parsed when the key is set
 

@@ -19,6 +19,7 @@ from test_contract import CAP, gloo_groups
 import vllm_balance
 from balance_testbed import factories
 from tests.multiproc.watchdog_log import WatchdogLine, watchdog_lines
+from vllm_balance.log import LOGGER_NAME
 from vllm_balance.shim.stats import BalanceStats
 from vllm_balance.shim.watchdog import BLOCKED, MAX_REPEAT_S, UNBLOCKED, GatherWatchdog
 
@@ -32,7 +33,7 @@ def watchdog_after_one_gather() -> GatherWatchdog:
 
 
 def messages(caplog) -> list[str]:
-    return [record.getMessage() for record in caplog.records if record.name == "vllm_balance"]
+    return [record.getMessage() for record in caplog.records if record.name == LOGGER_NAME]
 
 
 def lines(caplog) -> list[WatchdogLine]:
@@ -44,13 +45,13 @@ def lines(caplog) -> list[WatchdogLine]:
 
 def test_blocked_gather_does_not_look_healthy_one_error_after_warn_s(caplog):
     watchdog = watchdog_after_one_gather()
-    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         assert watchdog.check(100.0) == WARN_S  # nothing in flight: look again in warn_s
         watchdog.started = 100.0
         assert watchdog.check(100.4) == pytest.approx(WARN_S - 0.4)  # wake when it is warn_s old
         assert messages(caplog) == []
         watchdog.check(101.0)
-    [record] = [r for r in caplog.records if r.name == "vllm_balance"]
+    [record] = [r for r in caplog.records if r.name == LOGGER_NAME]
     assert record.levelno == logging.ERROR
     assert record.getMessage().startswith(
         f"{BLOCKED}: DP1 has waited 1.0 s in gather #2 of 2 DP ranks; "
@@ -62,7 +63,7 @@ def test_blocked_gather_does_not_look_healthy_one_error_after_warn_s(caplog):
 def test_blocked_gather_error_repeats_as_the_wait_doubles_at_most_every_max_repeat_s(caplog):
     watchdog = watchdog_after_one_gather()
     watchdog.started = 0.0
-    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         now = WARN_S
         while now < 300:
             now += watchdog.check(now)  # as the thread does: sleep what check() returns
@@ -80,7 +81,7 @@ def test_after_a_resize_the_error_names_the_new_group_and_numbers_its_gathers_fr
     watchdog.stats.last_gathered = []
     watchdog.follow(dp_rank=2, dp_size=3)
     watchdog.started = 0.0
-    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         watchdog.check(WARN_S)
     [message] = messages(caplog)
     assert message.startswith(
@@ -94,7 +95,7 @@ def test_blocked_reduction_names_the_last_max_and_min_it_has_no_per_rank_counts(
     stats.record_reduced(maximum=4, minimum=1, total=9, dp_size=3)  # recursive_doubling
     watchdog = GatherWatchdog(WARN_S, dp_rank=2, dp_size=3, stats=stats)
     watchdog.started = 0.0
-    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         watchdog.check(WARN_S)
     [message] = messages(caplog)
     assert message.startswith(
@@ -107,7 +108,7 @@ def test_blocked_reduction_names_the_last_max_and_min_it_has_no_per_rank_counts(
 def test_return_of_a_reported_gather_is_logged_once_with_its_wait(caplog):
     watchdog = watchdog_after_one_gather()
     watchdog.started = 10.0
-    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         watchdog.check(11.5)
         watchdog.started = None  # the gather returned
         watchdog.stats.record_gather([2, 2])
@@ -124,7 +125,7 @@ def test_return_of_a_reported_gather_is_logged_once_with_its_wait(caplog):
 
 def test_unreported_gathers_log_nothing(caplog):
     watchdog = watchdog_after_one_gather()
-    with caplog.at_level(logging.DEBUG, logger="vllm_balance"):
+    with caplog.at_level(logging.DEBUG, logger=LOGGER_NAME):
         for step in range(100):
             watchdog.started = step * 0.5
             watchdog.check(step * 0.5 + 0.9 * WARN_S)
@@ -137,7 +138,7 @@ def test_unreported_gathers_log_nothing(caplog):
 def test_next_gather_blocking_before_the_watchdog_looks_again_is_a_new_report(caplog):
     watchdog = watchdog_after_one_gather()
     watchdog.started = 0.0
-    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         watchdog.check(1.0)  # gather #2 reported
         watchdog.stats.record_gather([1, 1])  # it returned ...
         watchdog.started = 1.05  # ... and gather #3 started before the next look
@@ -177,7 +178,7 @@ def test_peer_late_to_the_gather_is_reported_by_the_rank_waiting_in_it(caplog, c
     ]
     for scheduler, group in zip(ranks, gloo_groups(2)):
         scheduler.dp_group = group
-    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         waiting = threading.Thread(target=ranks[0].balance_gather)
         waiting.start()
         time.sleep(1.0)  # rank 1 is late: rank 0 waits in the all_gather

@@ -26,6 +26,7 @@ from vllm.v1.metrics.stats import SchedulerStats
 import vllm_balance
 from balance_testbed.factories import make_scheduler, make_vllm_config
 from vllm_balance.config import METRICS_ENV_VAR
+from vllm_balance.log import LOGGER_NAME
 from vllm_balance.shim.metrics import (
     COUNTERS,
     GAP_GAUGE,
@@ -201,7 +202,7 @@ def test_an_engine_that_sends_stats_without_balance_counters_is_named_once(caplo
     scheduler._periodic_log.metrics.publish(scheduler.balance_stats)
     logger.record(scheduler.make_stats(), None, engine_idx=0)
     logger.record(SchedulerStats(), None, engine_idx=1)
-    with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         logger.log()
         logger.log()
     warnings = [r.getMessage() for r in caplog.records if "no balance counters" in r.getMessage()]

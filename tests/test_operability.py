@@ -20,6 +20,7 @@ from vllm.v1.request import RequestStatus
 import vllm_balance
 from balance_testbed import factories
 from vllm_balance.config import balance_options
+from vllm_balance.log import LOGGER_NAME
 
 
 def options_of(additional_config):
@@ -113,7 +114,7 @@ def test_periodic_log_line_per_rank(caplog):
     scheduler._periodic_log.interval_s = 1e-9
     scheduler._periodic_log._next = 0.0
     factories.set_gathered(scheduler, [0, CAP])
-    with caplog.at_level(logging.INFO, logger="vllm_balance"):
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
         scheduler.schedule()
     assert "Balance DP0: steps=1, frozen=100.0%, deferred admissions=6, released=0" in caplog.text
 
@@ -125,7 +126,7 @@ def test_log_line_off_logs_nothing(caplog):
         max_num_seqs=CAP,
         additional_config={"enable_balance_scheduling": True, "balance_log_interval_s": 0},
     )
-    with caplog.at_level(logging.INFO, logger="vllm_balance"):
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
         for _ in range(3):
             scheduler.schedule()
     assert "Balance DP" not in caplog.text

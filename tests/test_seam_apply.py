@@ -28,6 +28,7 @@ from balance_testbed.seam_patch import (
     match_series,
     release_files,
     scheduler_text,
+    seam_stops_before_installed,
     serving_series,
 )
 
@@ -79,6 +80,8 @@ def installed_source() -> str:
 
 @pytest.fixture(scope="module")
 def match(installed_source):
+    if reason := seam_stops_before_installed():
+        pytest.skip(reason)
     return match_series(installed_source, installed_version() or None)
 
 

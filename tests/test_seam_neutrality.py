@@ -24,7 +24,7 @@ from balance_testbed import factories
 from balance_testbed import seam_differential as differential
 from balance_testbed.factories import SHARED_PREFIXES, Divergence
 from balance_testbed.lockstep import Req, Workload
-from balance_testbed.seam_patch import SEAM_METHOD
+from balance_testbed.seam_patch import SEAM_METHOD, seam_stops_before_installed
 
 # The default CI runs this on both pins and with/without the seam: keep it to seconds.
 NEUTRALITY_SETTINGS = settings(
@@ -133,6 +133,8 @@ def workloads(draw) -> Workload:
 
 @pytest.fixture(scope="module")
 def twins():
+    if reason := seam_stops_before_installed():
+        pytest.skip(reason)
     return differential.twins()
 
 
@@ -176,6 +178,8 @@ def test_named_scenarios_reach_every_path_the_claim_covers(twins):
 @NEUTRALITY_SETTINGS
 @given(workload=workloads())
 def test_randomized_workloads_give_identical_outputs(workload):
+    if reason := seam_stops_before_installed():
+        pytest.skip(reason)
     twins = differential.twins()
     differential.compare(twins.unpatched, twins.patched, workload)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from balance_testbed.pins import PIN_NAMES, read_pin
+from balance_testbed.pins import SEAM_PIN_NAMES, read_pin
 from balance_testbed.seam_patch import (
     SCHEDULER_PATH,
     SEAM_METHOD,
@@ -45,8 +45,8 @@ def unpatched_installed_source() -> str:
     return scheduler_text(source, match.series, reverse=True) if match.already_seamed else source
 
 
-def test_every_pinned_release_is_served_by_a_series():
-    for name in PIN_NAMES:
+def test_every_seam_sessions_pin_is_served_by_a_series():
+    for name in SEAM_PIN_NAMES:
         pin = read_pin(name)
         if pin.version is None:
             pytest.skip(f"pin {name} is not an exact release: {pin.requirement}")

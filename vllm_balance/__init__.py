@@ -3,8 +3,9 @@
 Every active engine step each DP rank all-gathers ``len(running)``; when any rank was at
 ``max_num_running_reqs``, every rank stops admitting WAITING requests for that step.
 
-- ``active_path()``: ``"shim"`` (vLLM has the ``_should_stop_admitting_waiting`` seam) or
-  ``"compat"`` (Phase 2A fallback), decided once by feature detection.
+- ``active_path()``: ``"shim"`` (vLLM has the ``_should_stop_admitting_waiting`` seam),
+  ``"pause-state"`` (a frozen step under vLLM's ``PAUSED_NEW``) or ``"compat"`` (the derived
+  copy, vLLM 0.31), decided once by feature detection.
 - ``BalanceScheduler`` / ``BalanceAsyncScheduler``: the classes the installed vLLM gets,
   constructible exactly like upstream's ``Scheduler`` / ``AsyncScheduler``.
 - Enable it with ``--additional-config '{"enable_balance_scheduling": true}'`` (the package

@@ -1,10 +1,14 @@
-"""The package logger: vLLM's kind (``init_logger``), printed through vLLM's own handler.
+"""The package logger: a child of vLLM's ``vllm`` logger, so it prints however vLLM logs.
 
-``init_logger`` gives it vLLM's ``warning_once`` / ``info_once``, so a warning about the config
-prints once per process however often the config is read (``vllm_balance.config``). vLLM
-configures only the ``vllm`` logger (``propagate=False``); a bare ``vllm_balance`` logger would
-lose its INFO lines in an engine process. Sharing the handler keeps one format and lets
-``VLLM_LOGGING_LEVEL`` apply; the logger still propagates, so test log capture sees it.
+vLLM configures only the ``vllm`` logger (its handler, level and format; ``propagate=False``), and
+since 0.31 it does so late, in ``configure_logging()`` (from the CLI's arguments, and at the start
+of each engine process), not at import. A logger of our own that copied ``vllm``'s handlers at
+import found none there and printed nothing at INFO (the activation and stats lines were lost on
+every vLLM newer than 0.30). As ``vllm.vllm_balance`` the records go through whatever ``vllm`` has
+when they are emitted: ``VLLM_CONFIGURE_LOGGING=0`` (then on to the root logger, as vLLM's own),
+``VLLM_LOGGING_CONFIG_PATH`` (a config naming ``vllm`` keeps its children enabled), the level and
+JSON format alike. ``init_logger`` adds vLLM's ``warning_once`` / ``info_once``, so a warning about
+the config prints once per process however often the config is read (``vllm_balance.config``).
 """
 
 from __future__ import annotations
@@ -12,22 +16,12 @@ from __future__ import annotations
 import logging
 from typing import Any, cast
 
-try:
-    from vllm.logger import init_logger  # configures the "vllm" logger on import
+LOGGER_NAME = "vllm.vllm_balance"
 
-    logger = init_logger("vllm_balance")
+try:
+    from vllm.logger import init_logger
+
+    logger = init_logger(LOGGER_NAME)
 except ImportError:  # a script's --help without vLLM (upstream_patch/vllm-ascend/phase2a.py):
     # a plain logger; nothing that calls the *_once methods runs there.
-    logger = cast(Any, logging.getLogger("vllm_balance"))
-
-
-def _share_vllm_handlers() -> None:
-    vllm_logger = logging.getLogger("vllm")
-    for handler in vllm_logger.handlers:
-        if handler not in logger.handlers:
-            logger.addHandler(handler)
-    if logger.level == logging.NOTSET:
-        logger.setLevel(vllm_logger.level)
-
-
-_share_vllm_handlers()
+    logger = cast(Any, logging.getLogger(LOGGER_NAME))

@@ -1,4 +1,4 @@
-"""The one decision point between the seam (shim) and the Phase 2A fallback (compat).
+"""The one decision point between the seam (shim), the pause-state hold and the derived copy.
 
 Like ``typing_extensions``, the condition is the feature itself, never a version string: the seam
 can appear in a fork under any version number.
@@ -13,10 +13,12 @@ from typing import Literal
 from vllm_balance.log import logger
 
 SEAM_NAME = "_should_stop_admitting_waiting"
-# The Phase 2A fallback for a vLLM without the seam. The day every supported vLLM has the seam:
-# delete compat/ and set this to None (docs/design.md, "Deleting compat/").
+# The derived schedule() copy, for the vLLMs whose one-step PAUSED_NEW is not the contract's hold
+# (compat/fingerprints.json says which). The day none is supported: delete compat/derive.py and
+# compat/scheduler.py and set this to None (docs/design.md, "Deleting the derived copy").
 PHASE_2A_FALLBACK: str | None = "vllm_balance.compat.scheduler"
-Path = Literal["shim", "compat"]
+PAUSE_STATE_MODULE = "vllm_balance.compat.pause_state"
+Path = Literal["shim", "pause-state", "compat"]
 
 
 def has_seam() -> bool:
@@ -28,10 +30,16 @@ def has_seam() -> bool:
 
 @functools.cache
 def active_path() -> Path:
-    """``"shim"`` where vLLM has the seam, ``"compat"`` otherwise; logged once per process."""
+    """The path for the installed vLLM, logged once per process: ``"shim"`` where vLLM has the
+    seam; else ``"pause-state"`` where a one-step ``PAUSED_NEW`` is the contract's hold, and
+    ``"compat"`` (the derived copy) where it is not (compat/pause_state.py decides)."""
     import vllm
 
-    path: Path = "shim" if has_seam() else "compat"
+    path: Path = "shim"
+    if not has_seam():
+        from vllm_balance.compat.pause_state import PAUSE_STATE, hold_for_installed_vllm
+
+        path = "pause-state" if hold_for_installed_vllm() == PAUSE_STATE else "compat"
     logger.info(
         "balance scheduling: vLLM %s %s Scheduler.%s; using the %s path",
         vllm.__version__,
@@ -45,13 +53,18 @@ def active_path() -> Path:
 @functools.cache
 def balance_scheduler_classes() -> tuple[type, type]:
     """(balance ``Scheduler``, balance ``AsyncScheduler``) for the installed vLLM."""
-    if active_path() == "shim":
+    path = active_path()
+    if path == "shim":
         from vllm_balance.shim.scheduler import BalanceAsyncScheduler, BalanceScheduler
 
         return BalanceScheduler, BalanceAsyncScheduler
+    if path == "pause-state":
+        module = importlib.import_module(PAUSE_STATE_MODULE)
+        return module.PauseStateBalanceScheduler, module.PauseStateBalanceAsyncScheduler
     if PHASE_2A_FALLBACK is None:
         raise RuntimeError(
-            f"balance scheduling needs Scheduler.{SEAM_NAME} (upstream_patch/); this vLLM lacks it"
+            f"balance scheduling needs Scheduler.{SEAM_NAME} (upstream_patch/) on this vLLM, "
+            "whose PauseState.PAUSED_NEW is not the contract's hold (compat/fingerprints.json)"
         )
     fallback = importlib.import_module(PHASE_2A_FALLBACK)
     return fallback.CompatBalanceScheduler, fallback.CompatBalanceAsyncScheduler

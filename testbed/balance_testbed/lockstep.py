@@ -46,10 +46,13 @@ class Req:
     max_tokens: int
     arrive: int  # added before this step
     grammar_ready: int | None = None  # structured output: grammar Future completes before step
+    # Remote KV (a scheduler with tests/async_kv_connector.py): its async load finishes this many
+    # steps after it starts; the connector knows such a request by its "kv-" id.
+    kv_load_steps: int | None = None
 
     @property
     def request_id(self) -> str:
-        return f"r{self.index}"
+        return f"r{self.index}" if self.kv_load_steps is None else f"kv-r{self.index}"
 
     def prompt(self) -> tuple[int, ...]:
         # Distinct tails per request: only the shared prefix can hit the prefix cache.
@@ -57,6 +60,8 @@ class Req:
 
     def __repr__(self) -> str:
         grammar = "" if self.grammar_ready is None else f", grammar_ready={self.grammar_ready}"
+        if self.kv_load_steps is not None:
+            grammar += f", kv_load_steps={self.kv_load_steps}"
         return (
             f"{self.request_id}(prefix={self.prefix}, tail={self.tail}, "
             f"max_tokens={self.max_tokens}, arrive={self.arrive}{grammar})"
@@ -245,7 +250,7 @@ def step_facts(scheduler, output) -> set[str]:
         getattr(scheduler.requests.get(new.req_id), "num_preemptions", 0)
         for new in output.scheduled_new_reqs
     )
-    if output.scheduled_cached_reqs.resumed_req_ids or resumed_as_new:
+    if getattr(output.scheduled_cached_reqs, "resumed_req_ids", ()) or resumed_as_new:
         found.add("resumption")
     if any(new.num_computed_tokens > 0 for new in output.scheduled_new_reqs):
         found.add("prefix_cache_hit")

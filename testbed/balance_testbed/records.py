@@ -40,11 +40,19 @@ def record_fingerprints(evidence: dict) -> None:
         if compat is None:
             continue
         if compat["ok"]:
+            old = entries.get(release, {})
+            # The hold chosen for this schedule() stays while its fingerprint does.
+            hold = {
+                k: v
+                for k, v in old.items()
+                if k in ("hold", "hold_evidence") and old["fingerprint"] == compat["fingerprint"]
+            }
             entries[release] = {
                 "release": release,
                 "fingerprint": compat["fingerprint"],
                 "date": compat["date"],
                 "evidence": evidence_summary(compat),
+                **hold,
             }
         else:
             entries.pop(release, None)

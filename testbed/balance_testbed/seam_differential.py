@@ -30,6 +30,7 @@ from balance_testbed.lockstep import Side, Workload, lockstep, vllm_config
 from balance_testbed.seam_patch import (
     SCHEDULER_MODULE,
     SEAM_METHOD,
+    PatchError,
     installed_version,
     load_scheduler_module,
     match_series,
@@ -141,27 +142,47 @@ def side(scheduler_cls: type, workload: Workload) -> Side:
 @functools.lru_cache(maxsize=1)
 def balance_on_each_path() -> dict[str, type]:
     """The balance ``Scheduler`` of each path for the installed vLLM, side by side in one process:
-    ``"shim"`` on the seamed twin, ``"compat"`` derived from the unpatched one (what a session
-    with the other pin's seam flag would select), both with the package's own mixin."""
+    ``"shim"`` on the seamed twin, ``"compat"`` derived from the unpatched one and
+    ``"pause-state"`` on the unpatched one (what a session with the other pin's seam flag, or the
+    other hold, would select), all with the package's own mixin. A path the release cannot have
+    is left out: ``"shim"`` where no series serves it, ``"compat"`` where no copy derives
+    (0.34+)."""
+    import importlib
     import os
     import sys
 
-    from vllm_balance.compat.derive import ALLOW_UNVERIFIED_ENV, build_phase2a_schedule
+    from vllm_balance.compat.derive import (
+        ALLOW_UNVERIFIED_ENV,
+        Phase2AUnavailable,
+        build_phase2a_schedule,
+    )
+    from vllm_balance.compat.pause_state import PauseStateHold
     from vllm_balance.shim.scheduler import BalanceSchedulerMixin
 
-    pair = twins()
+    try:
+        pair: Twins | None = twins()
+    except PatchError:
+        pair = None
+    unpatched = pair.unpatched if pair else importlib.import_module(SCHEDULER_MODULE).Scheduler
+    paths = {
+        "pause-state": type(
+            "PauseStateBalanceScheduler", (PauseStateHold, BalanceSchedulerMixin, unpatched), {}
+        )
+    }
+    if pair is not None:
+        paths["shim"] = type("BalanceScheduler", (BalanceSchedulerMixin, pair.patched), {})
     # For the comparison only: whether this release's schedule() is verified for the compat path
     # is test_compat_derive's question (and reach's, which may be verifying it in this run).
     allowed = os.environ.get(ALLOW_UNVERIFIED_ENV)
     os.environ[ALLOW_UNVERIFIED_ENV] = "1"
     try:
-        derived = build_phase2a_schedule(sys.modules[pair.unpatched.__module__])
+        derived = build_phase2a_schedule(sys.modules[unpatched.__module__])
+        paths["compat"] = type("CompatBalanceScheduler", (BalanceSchedulerMixin, derived), {})
+    except Phase2AUnavailable:
+        pass
     finally:
         if allowed is None:
             del os.environ[ALLOW_UNVERIFIED_ENV]
         else:
             os.environ[ALLOW_UNVERIFIED_ENV] = allowed
-    return {
-        "shim": type("BalanceScheduler", (BalanceSchedulerMixin, pair.patched), {}),
-        "compat": type("CompatBalanceScheduler", (BalanceSchedulerMixin, derived), {}),
-    }
+    return paths

@@ -408,3 +408,20 @@ def load_scheduler_module(source: str, module_name: str) -> ModuleType:
         del sys.modules[module_name]
         raise
     return module
+
+
+def seam_stops_before_installed() -> str | None:
+    """Why no seam test can run on the installed vLLM, or None: it is newer than every stored
+    series (the seam stops at 0.33: pins/seam-verified.txt). A release a series should serve and
+    does not fit stays a failure."""
+    version = installed_version()
+    newest = all_series()[-1].ref if all_series() else "none"
+    try:
+        Version(version)
+    except InvalidVersion:
+        return None
+    if serving_series(version) is None:
+        return (
+            f"no seam series serves vLLM {version} (the newest is {newest}: the seam stops there)"
+        )
+    return None

@@ -6,7 +6,7 @@ import re
 
 # ------------------------------------------------------------------------ log lines
 ACTIVATION = re.compile(
-    r"balance scheduling active: DP(?P<rank>\d+) of DP=(?P<dp>\d+), MoE, path=(?P<path>\w+), "
+    r"balance scheduling active: DP(?P<rank>\d+) of DP=(?P<dp>\d+), MoE, path=(?P<path>[\w-]+), "
     r"scheduler=(?P<scheduler>\w+), engine core=(?P<engine_core>\w+)"
 )
 STATS = re.compile(

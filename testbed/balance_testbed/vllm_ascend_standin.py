@@ -214,17 +214,19 @@ _BALANCE_LOG: list[str] = []
 
 
 def record_balance_log() -> None:
-    """Keep this process's ``vllm_balance`` log messages for the report (``vllm_name_facts``).
+    """Keep this process's balance log messages for the report (``vllm_name_facts``).
 
     A fork child of the test process would write them through a handler made under pytest's
     capture, whose buffer the child never flushes (it ends with ``os._exit``)."""
     import logging
 
+    from vllm_balance.log import LOGGER_NAME
+
     class Recorder(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             _BALANCE_LOG.append(f"{record.levelname} {record.getMessage()}")
 
-    logging.getLogger("vllm_balance").addHandler(Recorder(logging.DEBUG))
+    logging.getLogger(LOGGER_NAME).addHandler(Recorder(logging.DEBUG))
 
 
 def general_plugin_names() -> list[str]:

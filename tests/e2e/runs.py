@@ -1,4 +1,4 @@
-"""One real server per mode (balance off / on via the shim / on via compat), run once and recorded.
+"""One real server per mode (balance off / on via the shim / on without it), run once and recorded.
 
 A server start costs ~2 min on the 2-core CI machine, so each mode's server is started once per
 pytest session: ``RunCache.get(mode)`` sets the installed vLLM's seam state for that mode, starts
@@ -56,7 +56,8 @@ class Mode:
 MODES = {
     "off": Mode("off", seam=False, additional_config=None, path=None),
     "shim": Mode("shim", seam=True, additional_config=BALANCE_ON, path="shim"),
-    "compat": Mode("compat", seam=False, additional_config=BALANCE_ON, path="compat"),
+    # No seam: the e2e pin's schedule() is verified for the pause-state hold (fingerprints.json).
+    "compat": Mode("compat", seam=False, additional_config=BALANCE_ON, path="pause-state"),
 }
 
 

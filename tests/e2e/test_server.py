@@ -1,4 +1,4 @@
-"""The real server, end to end: balance off, on via the shim, on via compat (DP=2, tiny MoE).
+"""The real server, end to end: balance off, on via the shim, on without it (DP=2, tiny MoE).
 
 Each mode's server is started once (``tests/e2e/runs.py``) as an operator would: OpenAI API
 server, real DP coordinator and load balancer, two engine cores and their workers, a real MoE
@@ -70,7 +70,7 @@ def test_log_names_the_activated_path_scheduler_and_engine_core(server_runs, mod
     assert [(line["dp"], line["path"]) for line in lines] == [("2", run.mode.path)] * 2, lines
     assert sorted(line["rank"] for line in lines) == ["0", "1"], lines  # each names its rank
     assert {line["scheduler"] for line in lines} == {
-        "BalanceScheduler" if mode == "shim" else "CompatBalanceScheduler"
+        "BalanceScheduler" if mode == "shim" else "PauseStateBalanceScheduler"
     }
     assert {line["engine_core"] for line in lines} == {"BalanceDPEngineCoreProc"}
 

@@ -33,6 +33,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.serial_utils import run_method
 
+from balance_sim.builders import runner_output
 from tests.multiproc import records
 
 BLOCK_SIZE = 16
@@ -137,7 +138,7 @@ class StandInWorker:
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
-            if req_id in cached.resumed_req_ids:
+            if req_id in getattr(cached, "resumed_req_ids", ()):
                 # Resumed after preemption: prompt and every sampled token are recomputed.
                 state[1] = state[0] + cached.num_output_tokens[i]
             state[2] = cached.num_computed_tokens[i]
@@ -153,11 +154,7 @@ class StandInWorker:
                 state[1] += 1
             else:
                 sampled.append([])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
+        return runner_output(req_ids, sampled)
 
     def sample_tokens(self, grammar_output: Any) -> None:
         # execute_model already returned the sampled tokens (the engine core only calls this when
