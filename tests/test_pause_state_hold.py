@@ -206,3 +206,34 @@ def test_negative_control_a_wrong_hold_diverges(wrong):
     candidate = type(wrong.__name__, (wrong, *right.__bases__[1:]), {})
     with pytest.raises(Divergence):
         compare(candidate, KV_HOLDER_AND_FRESH)
+
+
+# The same wrong holds against the gate oracle (upstream's own Scheduler with admission cut by
+# construction, tests/balance_differential.py): the reference every release has, 0.34+ included.
+FROZEN_THEN_OPEN = Workload(
+    cap=3,
+    max_num_batched_tokens=2048,
+    num_gpu_blocks=1000,
+    enable_prefix_caching=False,
+    dp_size=2,
+    requests=(
+        Req(index=0, prefix=0, tail=8, max_tokens=8, arrive=0),
+        Req(index=1, prefix=0, tail=8, max_tokens=3, arrive=1),
+        Req(index=2, prefix=0, tail=8, max_tokens=3, arrive=2),
+    ),
+    gathered=(OPEN, AT_CAP, OPEN, OPEN),
+)
+
+
+@pytest.mark.parametrize("wrong", [HeldOneStepTooLong, PausedAll], ids=lambda c: c.__name__)
+def test_negative_control_a_wrong_hold_diverges_from_the_gate_oracle(monkeypatch, wrong):
+    from balance_differential import compare as oracle_compare
+
+    import vllm_balance
+    from vllm_balance.compat.pause_state import PauseStateBalanceScheduler
+
+    oracle_compare(FROZEN_THEN_OPEN, "oracle_queue")  # the right hold: no divergence
+    bases = PauseStateBalanceScheduler.__bases__[1:]
+    monkeypatch.setattr(vllm_balance, "BalanceScheduler", type(wrong.__name__, (wrong, *bases), {}))
+    with pytest.raises(Divergence):
+        oracle_compare(FROZEN_THEN_OPEN, "oracle_queue")

@@ -81,10 +81,9 @@ HERE = Path(__file__).resolve().parent
 
 ENTRY_TEST = SEAM_TEST_PATH  # vLLM's test_scheduler.py, where the series adds its cases
 ASYNC_TEST = "tests/v1/core/test_async_scheduler.py"
-# The seam on vLLM's own tests of both scheduler classes; --balance keeps to test_scheduler.py,
-# which is what nox -s reach records.
-SEAM_ENTRIES = (ENTRY_TEST, ASYNC_TEST)
-BALANCE_ENTRIES = (ENTRY_TEST,)
+# vLLM's own tests of both scheduler classes, for the seam and for --balance (whose side swaps
+# AsyncScheduler too); reach records them together, by_file apart.
+SEAM_ENTRIES = BALANCE_ENTRIES = (ENTRY_TEST, ASYNC_TEST)
 
 # pytest plugins of the test bed: in place of vLLM's conftest.py files, which are not extracted;
 # with --vllm-conftest only the one that chooses each side's scheduler, beside vLLM's conftests.

@@ -364,7 +364,11 @@ class Cluster:
         from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
 
         seed = zlib.crc32(request_id.encode())
-        prompt = [(seed + 13 * i) % 997 + 1 for i in range(prompt_len)]
+        prompt: Any = [(seed + 13 * i) % 997 + 1 for i in range(prompt_len)]
+        if "ndarray" in str(EngineCoreRequest.__annotations__.get("prompt_token_ids")):
+            import numpy as np
+
+            prompt = np.asarray(prompt, dtype=np.int32)  # 0.34+: what both frontends send
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt,

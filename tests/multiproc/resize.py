@@ -50,6 +50,7 @@ def _engine(vllm_config: Any, scheduler: Any, executor: WorkerRpcStandIn) -> Any
     engine.dp_sync_interval = parallel_config.dp_sync_interval
     engine.step_counter, engine.current_wave = 0, 0
     engine.engines_running, engine.pending_pause, engine.ignore_start_dp_wave = True, False, False
+    engine.enable_fault_tolerance = False  # read by the DP sync from 0.34 on
     engine.available_gpu_memory_for_kv_cache = 1 << 30
     # _eep_send_engine_core_notification puts its message here while the output thread lives.
     engine.output_queue, engine.output_thread = queue.Queue(), threading.current_thread()
