@@ -14,6 +14,7 @@ from vllm.v1.core.sched.interface import PauseState
 
 from balance_testbed import factories, seam_differential
 from vllm_balance.compat.pause_state import PauseStateHold
+from vllm_balance.log import LOGGER_NAME
 
 CAP = 2
 
@@ -86,7 +87,7 @@ def check_operator_pause_kept(cls=None):
 def check_silent(caplog, cls=None):
     scheduler = pause_state_scheduler(cls)
     factories.set_gathered(scheduler, [1, CAP])
-    with caplog.at_level(logging.INFO, logger="vllm"):
+    with caplog.at_level(logging.INFO):  # any logger: a twin module logs under its own name
         scheduler.schedule()
     assert not [r for r in caplog.records if "pause state" in r.getMessage()]
 
@@ -128,3 +129,29 @@ def test_negative_control_a_wrong_pause_fails_its_check(wrong, check):
 def test_negative_control_set_pause_state_logs_every_step(caplog):
     with pytest.raises(AssertionError):
         check_silent(caplog, variant(LogsEveryStep))
+
+
+# Which hold the installed vLLM gets: its schedule()'s entry, or pause-state with a warning.
+
+
+def test_an_unverified_schedule_gets_the_pause_state_hold_with_a_warning(monkeypatch, caplog):
+    from vllm_balance.compat import pause_state
+
+    monkeypatch.setattr(pause_state, "verified_holds", lambda: {})
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        assert pause_state.hold_for_installed_vllm() == pause_state.PAUSE_STATE
+    [line] = [r.getMessage() for r in caplog.records if r.name == LOGGER_NAME]
+    assert "is not verified" in line and "nox -s reach -- --versions " in line, line
+
+
+@pytest.mark.parametrize("hold", ["pause-state", "derived-copy", None])
+def test_a_verified_schedule_gets_the_hold_its_entry_names(monkeypatch, caplog, hold):
+    from vllm_balance.compat import pause_state
+
+    entry = {"release": "x", "fingerprint": pause_state.installed_schedule_fingerprint()}
+    if hold is not None:
+        entry["hold"] = hold
+    monkeypatch.setattr(pause_state, "verified_holds", lambda: {entry["fingerprint"]: entry})
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        assert pause_state.hold_for_installed_vllm() == (hold or pause_state.DERIVED_COPY)
+    assert not [r for r in caplog.records if r.name == LOGGER_NAME]
