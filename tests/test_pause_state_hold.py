@@ -134,20 +134,28 @@ def kv_workloads(draw) -> Workload:
     return Workload(**{**vars(workload), "requests": requests})
 
 
+def two_ranks(requests: tuple[Req, ...], gathered: tuple[Gathered, ...]) -> Workload:
+    """A named workload: cap 3 on DP=2, room in the KV cache and the token budget."""
+    return Workload(
+        cap=3,
+        max_num_batched_tokens=2048,
+        num_gpu_blocks=1000,
+        enable_prefix_caching=False,
+        dp_size=2,
+        requests=requests,
+        gathered=gathered,
+    )
+
+
 # A finished load waits beside a fresh request while the leader is at the cap, then it opens.
-KV_HOLDER_AND_FRESH = Workload(
-    cap=3,
-    max_num_batched_tokens=2048,
-    num_gpu_blocks=1000,
-    enable_prefix_caching=False,
-    dp_size=2,
-    requests=(
+KV_HOLDER_AND_FRESH = two_ranks(
+    (
         Req(index=0, prefix=0, tail=8, max_tokens=6, arrive=0),
         Req(index=1, prefix=0, tail=8, max_tokens=4, arrive=0, kv_load_steps=1),
         Req(index=2, prefix=0, tail=8, max_tokens=3, arrive=2),
         Req(index=3, prefix=0, tail=8, max_tokens=3, arrive=3, grammar_ready=5),
     ),
-    gathered=(OPEN, AT_CAP, AT_CAP, OPEN, AT_CAP, OPEN),
+    (OPEN, AT_CAP, AT_CAP, OPEN, AT_CAP, OPEN),
 )
 REACHES = {"frozen_step", "held_a_fresh_request", "async_kv_load_in_flight", "preemption"}
 
@@ -210,18 +218,13 @@ def test_negative_control_a_wrong_hold_diverges(wrong):
 
 # The same wrong holds against the gate oracle (upstream's own Scheduler with admission cut by
 # construction, tests/balance_differential.py): the reference every release has, 0.34+ included.
-FROZEN_THEN_OPEN = Workload(
-    cap=3,
-    max_num_batched_tokens=2048,
-    num_gpu_blocks=1000,
-    enable_prefix_caching=False,
-    dp_size=2,
-    requests=(
+FROZEN_THEN_OPEN = two_ranks(
+    (
         Req(index=0, prefix=0, tail=8, max_tokens=8, arrive=0),
         Req(index=1, prefix=0, tail=8, max_tokens=3, arrive=1),
         Req(index=2, prefix=0, tail=8, max_tokens=3, arrive=2),
     ),
-    gathered=(OPEN, AT_CAP, OPEN, OPEN),
+    (OPEN, AT_CAP, OPEN, OPEN),
 )
 
 
