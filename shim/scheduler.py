@@ -89,8 +89,8 @@ class BalanceSchedulerMixin(RunningCountGather, _SchedulerBase):
     def _hold_and_schedule(self, throttle_prefills: bool) -> tuple[SchedulerOutput, bool]:
         """Upstream's step under this path's hold, and whether the hold stopped an admission.
 
-        Here the seam (or the derived copy's gate) holds and records it; the pause-state path
-        holding another way (the pause-state hold) overrides this."""
+        Here the seam (or a gate inlined where the seam is called) holds and records it; a path
+        that holds another way (the pause-state hold) overrides this."""
         self.admission_held = False
         output = self._upstream_schedule(throttle_prefills)
         return output, self.admission_held
