@@ -19,6 +19,7 @@ Rules of the temporary state, each a lesson:
 from __future__ import annotations
 
 import json
+import os
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -40,6 +41,8 @@ else:
 FINGERPRINTS_FILE = Path(__file__).with_name("fingerprints.json")
 PAUSE_STATE, DERIVED_COPY = "pause-state", "derived-copy"
 REACH_COMMAND = "nox -s reach -- --versions {release}"
+# An operator's override of the recorded hold (and how `nox -s reach` runs each hold on a release).
+HOLD_ENV = "VLLM_BALANCE_HOLD"
 
 
 class _Unrecorded(int):
@@ -147,10 +150,23 @@ def hold_for_installed_vllm() -> str:
     (a newer vLLM, a fork) gets the pause-state hold, trusting ``PAUSED_NEW`` as vLLM's interface
     documents it, with a warning naming the release and how to verify it: refusing would take
     balance away from every new release until a derivation catches up, which is the failure this
-    path exists to end.
+    path exists to end. ``VLLM_BALANCE_HOLD`` overrides the record, with a warning: an operator's
+    way back to the derived copy, and how ``nox -s reach`` runs each hold on a release.
     """
     import vllm
 
+    forced = os.environ.get(HOLD_ENV)
+    if forced:
+        if forced not in (PAUSE_STATE, DERIVED_COPY):
+            raise ValueError(f"{HOLD_ENV} must be {PAUSE_STATE} or {DERIVED_COPY}, got {forced!r}")
+        logger.warning(
+            "balance scheduling: %s=%s overrides the hold recorded for vLLM %s's "
+            "Scheduler.schedule (compat/fingerprints.json)",
+            HOLD_ENV,
+            forced,
+            vllm.__version__,
+        )
+        return forced
     found = installed_schedule_fingerprint()
     entry = verified_holds().get(found)
     if entry is not None:

