@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from vllm.v1.engine.core import DPEngineCoreProc
 
+from vllm_balance.log import release_held_records
+
 if TYPE_CHECKING:
     from vllm_balance.shim.scheduler import BalanceSchedulerMixin
 
@@ -27,6 +29,8 @@ class BalanceDPEngineCoreProc(DPEngineCoreProc):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # vLLM configured logging in this process just before (0.31+): the activation's lines.
+        release_held_records()
         super().__init__(*args, **kwargs)
         self.balance_scheduler.follow_dp_group(self.dp_group)
 

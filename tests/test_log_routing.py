@@ -17,17 +17,25 @@ import textwrap
 
 import pytest
 
+from vllm_balance.log import LOGGER_NAME
+
+pytestmark = pytest.mark.path_independent
+
 CHILD = textwrap.dedent(
     """
     import json, logging, sys
     {logger}
     import vllm.logger as vllm_logger
     settings = json.loads(sys.argv[1])
+    # The activation's lines: emitted in balance's run_engine_core wrapper, before vLLM configures.
+    logger.info("balance-probe early")
     if hasattr(vllm_logger, "configure_logging"):  # 0.31+: configured late, as an engine process
         from vllm.config.logging import LoggingConfig
         vllm_logger.configure_logging(LoggingConfig(**settings))
     if {root!r}:
         logging.basicConfig(level=logging.INFO, format="ROOT %(message)s", stream=sys.stdout)
+    if "vllm_balance.log" in sys.modules:  # what the engine core's __init__ does
+        sys.modules["vllm_balance.log"].release_held_records()
     logger.info("balance-probe info")
     logger.warning("balance-probe warning")
     """
@@ -80,14 +88,17 @@ def late_only(settings: dict) -> dict:
 def test_info_lines_print_through_vllms_handler():
     output = run()
     assert "balance-probe info" in output and "balance-probe warning" in output
-    line = next(ln for ln in output.splitlines() if "balance-probe info" in ln)
-    assert "INFO" in line.split("balance-probe")[0], line  # vLLM's format, not a bare message
+    for probe in ("balance-probe early", "balance-probe info"):
+        line = next(ln for ln in output.splitlines() if probe in ln)
+        assert "INFO" in line.split("balance-probe")[0], line  # vLLM's format, not a bare message
+    assert output.index("balance-probe early") < output.index("balance-probe info")
 
 
 def test_vllms_log_level_applies():
     settings = late_only({"log_level": "WARNING"})
     output = run(settings, env={"VLLM_LOGGING_LEVEL": "WARNING"})
     assert "balance-probe info" not in output and "balance-probe warning" in output
+    assert "balance-probe early" not in output  # held, then dropped at vLLM's level
 
 
 def test_json_format_applies():
@@ -105,7 +116,7 @@ def test_with_vllm_logging_off_lines_reach_the_root_logger():
     output = run(
         late_only({"configure_logging": False}), {"VLLM_CONFIGURE_LOGGING": "0"}, root=True
     )
-    assert "ROOT balance-probe info" in output
+    assert "ROOT balance-probe info" in output and "ROOT balance-probe early" in output
 
 
 def test_a_users_logging_config_file_is_respected(tmp_path):
@@ -126,6 +137,7 @@ def test_a_users_logging_config_file_is_respected(tmp_path):
     path.write_text(json.dumps(config))
     output = run(env={"VLLM_LOGGING_CONFIG_PATH": str(path)})
     assert "MINE vllm.vllm_balance balance-probe info" in output, output[-2000:]
+    assert "MINE vllm.vllm_balance balance-probe early" in output, output[-2000:]
 
 
 def test_negative_control_handlers_copied_at_import_lose_the_info_line():
@@ -133,3 +145,13 @@ def test_negative_control_handlers_copied_at_import_lose_the_info_line():
         pytest.skip("vLLM configures at import here: the copy finds the handler")
     output = run(logger=COPIED_AT_IMPORT)
     assert "balance-probe info" not in output
+
+
+def test_negative_control_a_child_of_vllm_without_the_hold_loses_the_early_line():
+    """The logger without ``_HeldUntilVllmConfigures``: the activation's line, emitted before
+    vLLM configured the engine process, met the root's WARNING level and was never made."""
+    if not configures_late():
+        pytest.skip("vLLM configures at import here: nothing is emitted before it")
+    without_hold = f"from vllm.logger import init_logger\nlogger = init_logger({LOGGER_NAME!r})"
+    output = run(logger=without_hold)
+    assert "balance-probe info" in output and "balance-probe early" not in output
