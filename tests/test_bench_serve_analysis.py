@@ -27,6 +27,8 @@ from benchmarks.serve_report import (
     table_markdown,
 )
 
+pytestmark = pytest.mark.path_independent
+
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 TRUE = StepTimeModel(fixed_ms=20.0, per_prefill_token_ms=0.3, per_decode_request_ms=2.0)

@@ -135,15 +135,18 @@ def decoded_by_the_api_server(mode: str, metrics_env: str | None = "1") -> list:
     return json.loads(result.stdout.splitlines()[-1])
 
 
+@pytest.mark.path_independent  # the API server's side
 def test_the_api_servers_decoder_keeps_the_balance_field_once_the_plugin_ran():
     assert decoded_by_the_api_server("plugin") == [3, {"balance_steps": 5.0}]
 
 
+@pytest.mark.path_independent  # the API server's side
 def test_without_the_decode_patch_vllms_decoder_drops_the_field():
     """Why the registry's STATS_DECODED_WITH_BALANCE exists (negative control)."""
     assert decoded_by_the_api_server("no-plugin") == [3, "dropped"]
 
 
+@pytest.mark.path_independent  # the API server's side
 def test_without_the_metrics_env_var_the_plugin_leaves_the_decoder_upstreams():
     """Balance off is the default: the plugin changes no vLLM object but the engine-core wrapper
     (test_activation.py), so the decoder drops the field until the operator asks for it."""
@@ -228,6 +231,7 @@ API_SERVER = textwrap.dedent(
 )
 
 
+@pytest.mark.path_independent  # the API server's side
 @pytest.mark.parametrize("split", [[[3, 4], [5]]], ids=["two-api-servers"])
 def test_several_api_servers_add_up_the_increases(tmp_path, monkeypatch, split):
     """An engine's stats go to whichever API server has outputs that step: each adds what it got,

@@ -12,6 +12,8 @@ import pytest
 
 from balance_testbed.session_process import ServerError, SessionProcess
 
+pytestmark = pytest.mark.path_independent
+
 # A grandchild that ignores SIGTERM (as a stuck engine core would) and says when it is up.
 STUBBORN = (
     "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "

@@ -21,6 +21,8 @@ from balance_sim.runner import SimOptions, build_workload, run_policy
 from balance_sim.stepmodel import RankWork, StepTimeModel
 from balance_sim.workload import Arrival, TraceError, load_trace
 
+pytestmark = pytest.mark.path_independent
+
 ALL_POLICIES = ("off", "on", "cap-1", "vllm-cadence:2", "trtllm-adp:50:10", "bounded-hold:3")
 
 TINY = SimOptions(

@@ -40,6 +40,8 @@ from balance_sim.metrics import Summary
 from balance_sim.runner import SimOptions
 from balance_sim.stepmodel import StepTimeModel
 
+pytestmark = pytest.mark.path_independent
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

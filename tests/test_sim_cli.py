@@ -20,6 +20,8 @@ from balance_sim.__main__ import build_parser, main
 from balance_sim.compare import HELPS, HURTS, MIXED, NEUTRAL, UNCLEAR, changes, verdict
 from balance_sim.metrics import Summary
 
+pytestmark = pytest.mark.path_independent
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -9,6 +9,8 @@ from packaging.version import Version
 
 from balance_testbed.pins import DISTRIBUTIONS, PIN_NAMES, read_pin, read_vllm_ascend_pins
 
+pytestmark = pytest.mark.path_independent
+
 
 def test_session_imports_the_vllm_its_pin_file_names():
     import vllm
