@@ -1,10 +1,11 @@
 """Deliberately wrong variants of balance scheduling; the suite must kill every one.
 
 Each mutant is applied in the pytest process before any test module is imported (see
-``pytest_mutant``), by replacing one method of the shared ``BalanceSchedulerMixin`` (both paths
-use it) or, for what only exists in the Phase 2A copy, by changing what ``compat.derive`` splices
-into the derived ``schedule()`` (its delta constants and the derived text are read at derivation
-time, so no hook is needed in ``derive``). Nothing is written to disk.
+``pytest_mutant``), by replacing one method of the shared ``BalanceSchedulerMixin`` (every path
+uses it), of the pause-state hold (``PauseStateHold``), or, for what only exists in the derived
+copy, by changing what ``compat.derive`` splices into the derived ``schedule()`` (its delta
+constants and the derived text are read at derivation time, so no hook is needed in ``derive``).
+Nothing is written to disk.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 class Mutant:
     name: str
     wrong: str  # what the variant does, for the kill table
-    paths: tuple[str, ...]  # "shim" and/or "compat": where the variant exists
+    paths: tuple[str, ...]  # "shim", "compat", "pause-state": where the variant exists
     apply: Callable[[], None]
     # Test files run for this mutant on top of the shared suite (run.py): where its killer lives.
     files: tuple[str, ...] = ()
@@ -152,6 +153,51 @@ def held_step_marks_capacity_bound() -> None:
     prefill cadence throttles admits anyway (the policy the seam no longer carries)."""
     mixin = _mixin()
     mixin._held_schedule = lambda self, throttle: super(mixin, self).schedule(throttle)
+
+
+def _pause_state_hold():
+    from vllm_balance.compat.pause_state import PauseStateHold
+
+    return PauseStateHold
+
+
+def pause_not_restored() -> None:
+    """Pause-state: a frozen step leaves ``PAUSED_NEW`` set (no restore after upstream's step):
+    the next open step admits nothing, and the engine core sees a pause nobody asked for."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    hold = _pause_state_hold()
+    real = hold._hold_and_schedule
+
+    def _hold_and_schedule(self, throttle_prefills):
+        before = self._pause_state
+        result = real(self, throttle_prefills)
+        if before == PauseState.UNPAUSED:
+            self._pause_state = PauseState.PAUSED_NEW
+        return result
+
+    hold._hold_and_schedule = _hold_and_schedule
+
+
+def pause_lowers_operator_pause() -> None:
+    """Pause-state: a frozen step under an operator's ``PAUSED_ALL`` runs at ``PAUSED_NEW``
+    (the running requests an operator paused are scheduled)."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    hold = _pause_state_hold()
+    real = hold._hold_and_schedule
+
+    def _hold_and_schedule(self, throttle_prefills):
+        operator = self._pause_state
+        if operator != PauseState.PAUSED_ALL:
+            return real(self, throttle_prefills)
+        self._pause_state = PauseState.PAUSED_NEW
+        try:
+            return real(self, throttle_prefills)
+        finally:
+            self._pause_state = operator
+
+    hold._hold_and_schedule = _hold_and_schedule
 
 
 def gate_pins_kv_holders() -> None:
@@ -362,19 +408,19 @@ MUTANTS = {
         Mutant(
             "gate_ge_cap_minus_1",
             "gate `max >= cap - 1` (shipped once, reverted)",
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             gate_ge_cap_minus_1,
         ),
         Mutant(
             "gate_wrong_cap",
             "gate `max == max_num_scheduled_tokens` (token budget, not the request cap)",
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             gate_wrong_cap,
         ),
         Mutant(
             "catch_up_to_leader",
             "no freeze; cap lowered to `min(cap, max(balance_queue))` during schedule()",
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             catch_up_to_leader,
         ),
         Mutant(
@@ -396,6 +442,18 @@ MUTANTS = {
             held_step_marks_capacity_bound,
         ),
         Mutant(
+            "pause_not_restored",
+            "pause-state: `PAUSED_NEW` left set after a frozen step",
+            ("pause-state",),
+            pause_not_restored,
+        ),
+        Mutant(
+            "pause_lowers_operator_pause",
+            "pause-state: a frozen step lowers an operator's `PAUSED_ALL` to `PAUSED_NEW`",
+            ("pause-state",),
+            pause_lowers_operator_pause,
+        ),
+        Mutant(
             "gate_pins_kv_holders",
             "Phase 2A delta 2 also holds KV-holders (0.31+: a finished KV load stays parked)",
             ("compat",),
@@ -405,19 +463,19 @@ MUTANTS = {
         Mutant(
             "disabled_allocates_balance_queue",
             "balance off still allocates `balance_queue`",
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             disabled_allocates_balance_queue,
         ),
         Mutant(
             "disabled_calls_all_gather",
             "balance off still all-gathers when a DP group is injected",
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             disabled_calls_all_gather,
         ),
         Mutant(
             "gate_reads_stale_buffer",
             "gate reads the gather's buffer, ignoring `balance_queue` elements a test replaced",
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             gate_reads_stale_buffer,
         ),
         Mutant(
@@ -430,40 +488,42 @@ MUTANTS = {
         Mutant(
             "gather_payload_len_waiting",
             "gather payload `len(self.waiting)`",
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             gather_payload_len_waiting,
         ),
         Mutant(
             "disabled_gate_keyed_on_balance_queue",
             "balance off, the gate still acts on a `balance_queue` set from outside",
+            # Not on pause-state: its hold is reached only from the mixin's enabled branch, so
+            # the mutant's `admission_frozen` is read by nothing there (an equivalent mutant).
             ("shim", "compat"),
             disabled_gate_keyed_on_balance_queue,
         ),
         Mutant(
             "engine_core_skips_gather",
             "`balance_gather()` deleted from the engine core's hook (DP group still injected)",
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             engine_core_skips_gather,
             files=("tests/multiproc/test_entrypoint.py",),
         ),
         Mutant(
             "gather_only_on_dp_sync_steps",
             "the engine core gathers only on vLLM's DP-sync steps (every `dp_sync_interval`)",
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             gather_only_on_dp_sync_steps,
             has_target=_syncs_every_dp_sync_interval,
         ),
         Mutant(
             "buffer_fixed_at_start_size",
             "gather buffer, rank and size kept at start-up when vLLM resizes the DP group",
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             buffer_fixed_at_start_size,
             files=("tests/multiproc/test_resize.py",),
         ),
         Mutant(
             "keep_paused_rank_gathers_its_running",
             'a rank paused with `mode="keep"` gathers `len(running)`, not 0',
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             keep_paused_rank_gathers_its_running,
             files=(
                 "tests/multiproc/test_pause.py::"
@@ -473,21 +533,21 @@ MUTANTS = {
         Mutant(
             "ray_actor_class_not_chosen",
             "Ray backend: the API server keeps vLLM's `DPMoEEngineCoreActor` with balance on",
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             ray_actor_class_not_chosen,
             files=("tests/test_ray_actor.py",),
         ),
         Mutant(
             "ray_actor_skips_activation",
             "Ray backend: the balance actor does not activate in its `__init__`",
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             ray_actor_skips_activation,
             files=("tests/test_ray_actor.py",),
         ),
         Mutant(
             "pd_refusal_misses_kv_consumer",
             "PD refusal checks `kv_producer` only; `kv_consumer` activates balance",
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             pd_refusal_misses_kv_consumer,
             # The PD tests only: the rest of the file starts interpreters (minutes on 2 cores).
             files=tuple(f"tests/test_activation.py::{test}" for test in PD_ROLE_TESTS),
@@ -495,14 +555,14 @@ MUTANTS = {
         Mutant(
             "ascend_config_not_consulted",
             "config source 1 (vllm-ascend's `AscendConfig`) skipped",
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             ascend_config_not_consulted,
             files=("tests/test_config.py",),
         ),
         Mutant(
             "ascend_config_nested_form_ignored",
             "`AscendConfig.scheduler_config.enable_balance_scheduling` (nested form) not read",
-            ("shim", "compat"),
+            ("shim", "compat", "pause-state"),
             ascend_config_nested_form_ignored,
             files=("tests/test_config.py",),
         ),

@@ -36,8 +36,16 @@ ROOT = HERE.parent.parent
 
 DOC = ROOT / "docs" / "testing.md"
 SUITE = ["tests/test_differential.py", "tests/test_gate_oracle.py", "tests/test_contract.py"]
-# The Phase 2A copy's own tests: delta 3 is reachable only through a selection returning None.
-COMPAT_SUITE = ["tests/test_compat_behaviour.py", "tests/test_compat_derive.py"]
+# Each no-seam path's own tests (the copy's delta 3 is reachable only through a selection
+# returning None; the pause-state hold's rules and its differential against the contract's hold).
+PATH_SUITES = {
+    "compat": ["tests/test_compat_behaviour.py", "tests/test_compat_derive.py"],
+    "pause-state": [
+        "tests/test_pause_state_rules.py",
+        "tests/test_pause_state_hold.py",
+        "tests/test_async_kv_hold.py",
+    ],
+}
 
 
 def run_pytest(mutant: str, files: list[str], profile: str) -> dict:
@@ -137,19 +145,20 @@ def path_results(rows: list[dict]) -> dict[str, dict]:
     return results
 
 
-# The doc's one kill table: a column per path, the killers of both paths in one list.
+# The doc's one kill table: a column per path, the killers of every path in one list (a killer
+# that failed on some of the paths that ran names them).
 KILL_TABLE = ("<!-- kill-table:start -->", "<!-- kill-table:end -->")
-PATHS = ("compat", "shim")
+PATHS = ("pause-state", "compat", "shim")
 NO_TARGET, NOT_RUN, NOT_ON_PATH = "n/a: no target in this vLLM", "not run", "-"
-HEADER = re.compile(
-    r"^\| mutant \| what is wrong \| compat \(vLLM ([^)]+)\) \| shim \(vLLM ([^)]+)\) \|"
-)
+HEADER = re.compile(r"^\| mutant \| what is wrong \| (?P<columns>.+) \| killed by \|$")
+COLUMN = re.compile(r"(?P<path>[\w-]+) \(vLLM (?P<version>[^)]+)\)")
 
 
 def kill_table(versions: dict[str, str], results: dict[str, dict[str, dict]]) -> str:
     """The doc's table from each path's results; a killer that failed on one path only names it."""
     columns = " | ".join(f"{path} (vLLM {versions[path]})" for path in PATHS)
-    lines = [f"| mutant | what is wrong | {columns} | killed by |", "|---|---|---|---|---|"]
+    rule = "|---" * (len(PATHS) + 3) + "|"
+    lines = [f"| mutant | what is wrong | {columns} | killed by |", rule]
     for name in ["none", *MUTANTS]:
         cells = [column_cell(name, path, results[path]) for path in PATHS]
         ran = [p for p in PATHS if name in results[p] and results[p][name]["cell"] != NO_TARGET]
@@ -157,7 +166,7 @@ def kill_table(versions: dict[str, str], results: dict[str, dict[str, dict]]) ->
         by = []
         for test in dict.fromkeys(t for path in ran for t in failed[path]):
             only = [path for path in ran if test in failed[path]]
-            by.append(f"`{test}`" + ("" if len(only) == len(ran) else f" ({only[0]})"))
+            by.append(f"`{test}`" + ("" if len(only) == len(ran) else f" ({', '.join(only)})"))
         row = [f"`{name}`", wrong_of(name), *cells, "<br>".join(by) or "-"]
         lines.append(f"| {' | '.join(row)} |")
     return "\n".join(lines) + "\n"
@@ -174,20 +183,28 @@ def read_kill_table(text: str) -> tuple[dict[str, str], dict[str, dict[str, dict
     section = text.split(KILL_TABLE[0], 1)[1].split(KILL_TABLE[1], 1)[0]
     lines = [line for line in section.splitlines() if line.startswith("|")]
     header = HEADER.match(lines[0])
-    if header is None:
-        raise SystemExit(f"{DOC}: the kill table's header is not {PATHS}' columns")
-    versions = dict(zip(PATHS, header.groups()))
+    columns = [COLUMN.fullmatch(c) for c in header["columns"].split(" | ")] if header else [None]
+    if header is None or None in columns or not {c["path"] for c in columns} <= set(PATHS):
+        raise SystemExit(f"{DOC}: the kill table's header is not columns of {PATHS}")
+    # A path the table has no column for yet (a new path) starts as "not run".
+    versions = {path: "-" for path in PATHS} | {c["path"]: c["version"] for c in columns}
     results: dict[str, dict[str, dict]] = {path: {} for path in PATHS}
     for line in lines[2:]:
         name, _wrong, *cells, by = (cell.strip() for cell in line.strip("|").split(" | "))
         name = name.strip("`")
         killers = [] if by == "-" else by.split("<br>")
-        for path, cell in zip(PATHS, cells):
+        for path, cell in zip((c["path"] for c in columns), cells):
             if cell in (NOT_RUN, NOT_ON_PATH):
                 continue
-            failed = [k.split("`")[1] for k in killers if k.endswith(("`", f" ({path})"))]
+            failed = [k.split("`")[1] for k in killers if path in killed_on(k, columns)]
             results[path][name] = {"cell": cell, "failed": [] if cell == NO_TARGET else failed}
     return versions, results
+
+
+def killed_on(killer: str, columns: list) -> list[str]:
+    """The paths a "killed by" entry failed on: every column's, or those it names after it."""
+    named = killer.rsplit("`", 1)[1].strip(" ()")
+    return named.split(", ") if named else [c["path"] for c in columns]
 
 
 def write_doc(path: str, vllm_version: str, rows: list[dict], partial: bool = False) -> None:
@@ -233,7 +250,7 @@ def main() -> int:
             f"vLLM {vllm_version} takes the {path} path, which the kill table has no column for "
             f"yet (its columns: {', '.join(PATHS)}); run on a vLLM with the seam applied"
         )
-    shared = SUITE + (COMPAT_SUITE if path == "compat" else [])
+    shared = SUITE + PATH_SUITES.get(path, [])
     names = args.mutant or [n for n, m in MUTANTS.items() if path in m.paths]
     # A mutant whose target this release lacks would "survive" by changing nothing.
     no_target = {n for n in names if MUTANTS[n].has_target and not has_target(n)}
