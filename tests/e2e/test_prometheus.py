@@ -66,8 +66,14 @@ WAS_BLOCKED_S = 5.0
 PAUSE_MAX_S = 60.0
 # ~1,000 steps on 8 seats (~20 s here): requests still run on both ranks when one is stopped.
 PAUSE_PROMPTS = dict(count=LOAD_REQUESTS, seed=1, min_tokens=150, max_tokens=200)
-# Long enough (~1,000 steps on 8 seats) to still run after the look under load.
-LOAD_PROMPTS = dict(count=LOAD_REQUESTS, seed=3, min_tokens=100, max_tokens=200)
+# Long enough (~2,000 steps on 8 seats) to still run after the look under load, which on a busy
+# machine starts seconds after the first tokens (the client's streams share this process): at
+# ~1,000 steps the load had ended before the look's first scrape in 2 runs of 3 on 2 cores.
+LOAD_PROMPTS = dict(count=2 * LOAD_REQUESTS, seed=3, min_tokens=100, max_tokens=200)
+# The look reads each query's newest value in this window: on 2 busy cores a scrape of the
+# server's /metrics can time out (5-29 s seen), and Prometheus marks every series of that target
+# stale until the next one, so an instant query can fall in the gap, as a dashboard would show.
+LOOK_BACK = "15s"
 QUIET_TIMEOUT_S = 60.0
 # The 5m recording rules' range, in seconds (deferred admissions per second = increase / it).
 RATE_RANGE_S = 300.0
@@ -116,8 +122,13 @@ def under_load(server: VllmServer, prom: PrometheusServer, record: dict) -> None
         }
         for name in counters
     }
-    record["under_load"] = {key: prom.query(expr, at=at) for key, expr in queries().items()}
-    record["running_under_load"] = prom.query("vllm:num_requests_running", at=at)
+    record["under_load"] = {
+        key: prom.query(f"last_over_time(({expr})[{LOOK_BACK}:{SCRAPE_S:.0f}s])", at=at)
+        for key, expr in queries().items()
+    }
+    record["running_under_load"] = prom.query(
+        f"max_over_time(vllm:num_requests_running[{LOOK_BACK}])", at=at
+    )
     record["stall_alerts_under_load"] = stall_alerts(prom)
 
 
@@ -134,12 +145,14 @@ def after_load(server: VllmServer, prom: PrometheusServer, base: dict, record: d
     record["stored_after"] = {
         name: prom.query(f"vllm:balance_{name}") for name in end["balance"]["0"]
     }
-    first = min(t for series in prom.samples("up", 600).values() for t, _ in series)
+    scraped = sorted(t for series in prom.samples("up", 600).values() for t, _ in series)
     record["server"] = {
         "before": base["balance"],
         "after": end["balance"],
         "gauges_after": end["gauges"],
-        "scraped_for_s": round(time.time() - first, 1),
+        "scraped_for_s": round(time.time() - scraped[0], 1),
+        # What Prometheus extrapolates by: its samples' mean interval (late on a busy machine).
+        "scrape_interval_s": (scraped[-1] - scraped[0]) / max(len(scraped) - 1, 1),
     }
     record["after_as_log_lines"] = {str(e): v for e, v in metrics_as_log_lines(end["text"]).items()}
     lines = stats_lines_per_rank(server.log_text())
@@ -258,9 +271,10 @@ def assert_series_per_engine(values: dict[str, dict[str, float]]) -> None:
 def assert_rules_equal_the_servers_counters(record: dict) -> None:
     """Ratios of the 5m rates are ratios of the counters' increases (one scrape's timestamps
     for both); the deferred rate is the increase over the range, extrapolated by Prometheus
-    by at most about a scrape interval at each end of the stored span."""
+    by at most about a scrape interval (the measured mean) at each end of the stored span."""
     server, quiet = record["server"], record["quiet"]
     span = min(server["scraped_for_s"], RATE_RANGE_S)
+    interval = max(SCRAPE_S, server["scrape_interval_s"])
     for engine in ENGINES:
         before, after = server["before"][engine], server["after"][engine]
         grew = {name: after[name] - before[name] for name in after}
@@ -273,7 +287,7 @@ def assert_rules_equal_the_servers_counters(record: dict) -> None:
         )
         deferred = quiet["balance:deferred_admissions:rate5m"][engine] * RATE_RANGE_S
         assert grew["deferred_admissions_total"] <= deferred * (1 + 1e-9)
-        assert deferred <= grew["deferred_admissions_total"] * (1 + 3 * SCRAPE_S / span)
+        assert deferred <= grew["deferred_admissions_total"] * (1 + 3 * interval / span)
         gauges = server["gauges_after"]
         running = {e: gauges[e]["vllm:num_requests_running"] for e in ENGINES}
         mean = sum(running.values()) / len(running)
