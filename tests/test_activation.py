@@ -136,6 +136,7 @@ RUN_ENGINE_CORE_NAME = "vllm.v1.engine.core.EngineCoreProc.run_engine_core"
 RAY_MANAGER_INIT_NAME = "vllm.v1.engine.utils.CoreEngineActorManager.__init__"
 
 
+@pytest.mark.path_independent  # balance off: no path is chosen
 def test_installed_with_balance_off_every_vllm_object_is_upstreams_but_the_pass_through_wrapper():
     """The one object that differs: ``EngineCoreProc.run_engine_core``, the wrapper a general
     plugin needs (it is the first code that sees an engine process's config), and where Ray is
@@ -219,6 +220,9 @@ def test_balance_aware_user_scheduler_cls_is_kept():
     assert config.scheduler_config.scheduler_cls is MyBalanceScheduler
 
 
+# Import order is the mechanism here; each path's class mapping is checked in-process
+# (test_async_scheduling_gets_the_async_balance_scheduler).
+@pytest.mark.path_independent
 @pytest.mark.parametrize("async_first", [True, False], ids=["async-imported-first", "ours-first"])
 def test_async_scheduler_gets_balance_whatever_the_import_order(async_first):
     imports = ["import vllm.v1.core.sched.async_scheduler", "import vllm_balance.selection"]

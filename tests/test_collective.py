@@ -22,6 +22,8 @@ from balance_testbed import factories
 from balance_testbed.variants import late_fold_in_reduce
 from vllm_balance.shim import collective
 
+pytestmark = pytest.mark.path_independent
+
 # Powers of two and not, up to two extra ranks folded in (5, 6) and three rounds (8).
 DP_SIZES = (2, 3, 4, 5, 6, 8)
 

@@ -23,6 +23,8 @@ from vllm_balance.log import LOGGER_NAME
 from vllm_balance.shim.stats import BalanceStats
 from vllm_balance.shim.watchdog import BLOCKED, MAX_REPEAT_S, UNBLOCKED, GatherWatchdog
 
+pytestmark = pytest.mark.path_independent
+
 WARN_S = 1.0
 
 

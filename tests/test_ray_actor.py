@@ -27,6 +27,8 @@ from vllm_balance.log import LOGGER_NAME
 from vllm_balance.ray_actor import BalanceDPMoEEngineCoreActor
 from vllm_balance.shim.engine_core import BalanceDPEngineCoreProc
 
+pytestmark = pytest.mark.path_independent
+
 ENABLED = {"enable_balance_scheduling": True}
 UPSTREAM_MANAGER_INIT = CoreEngineActorManager.__dict__["__init__"]
 

@@ -24,7 +24,7 @@ from tests.multiproc.traces import (
 from tests.multiproc.watchdog_log import WatchdogLine, assert_blocked_exactly, watchdog_lines
 from vllm_balance.config import GATHER_WARN_KEY
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.path_independent]
 
 FIXED = [trace for dp in DP_SIZES for trace in fixed_traces(dp)]
 # The soak's first random traces (seeds 0-5, two per DP size) on the same clusters: the soak

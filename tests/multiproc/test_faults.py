@@ -16,7 +16,7 @@ from tests.multiproc.events import Add, Kill, Trace, WaitTokens
 from tests.multiproc.harness import Cluster
 from tests.multiproc.standin import FORWARD_SECONDS_ENV
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.path_independent]
 
 # Survivors of a peer's death fail within ~1 s when gloo sees the closed connection, then take
 # 2.5-6 s to tear down on the loaded machine. The window only bounds a hang: observing stops as

@@ -24,7 +24,7 @@ from tests.multiproc.events import Add, Trace, TraceResult, WaitTokens
 from tests.multiproc.harness import Cluster
 from tests.multiproc.invariants import check_trace
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.path_independent]
 
 DP, CAP = 2, 4
 # More requests than seats on every rank, so that admissions wait and the gate acts.

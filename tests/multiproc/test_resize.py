@@ -20,7 +20,7 @@ import pytest
 
 from tests.multiproc.harness import rank_process_context
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.path_independent]
 
 # A rank stuck in a collective (a peer failed) is killed after this long.
 RANK_SECONDS = 120.0

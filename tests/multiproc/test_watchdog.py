@@ -23,7 +23,7 @@ from tests.multiproc.standin import PAUSE_AFTER_FORWARD_ENV
 from tests.multiproc.watchdog_log import WatchdogLine, watchdog_lines
 from vllm_balance.config import GATHER_WARN_KEY
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.path_independent]
 
 WARN_S = 1.0
 # Allowance on top of WARN_S for a loaded 2-core machine: the watchdog thread's wake-up, the log
