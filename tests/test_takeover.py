@@ -40,6 +40,9 @@ from vllm_balance import activation, plugin, registry
 from vllm_balance.config import TAKE_OVER_ENV_VAR, TAKE_OVER_KEY, balance_options
 from vllm_balance.log import LOGGER_NAME
 
+# The take-over's mechanics; which hold runs after it is the selection, tested on each path.
+pytestmark = pytest.mark.path_independent
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NESTED = {"scheduler_config": {"enable_balance_scheduling": True}}
 ENABLED = {"enable_balance_scheduling": True}
