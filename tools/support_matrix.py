@@ -135,10 +135,9 @@ def render(today: str) -> str:
         if no_seam == "compat" and "pause-state" in runs:
             usable = {"pause-state": "no: the derived copy holds here", **usable}
         rows += [
-            _path_row(name, path, runs.get(path), pins, usable[path], path != "pause-state"
-                      or no_seam == "pause-state")
+            _path_row(name, path, runs.get(path), pins, usable[path], path in (no_seam, "shim"))
             for path in usable
-        ]  # fmt: skip
+        ]
         if "cost" in runs:
             cost = runs["cost"]
             minutes = [

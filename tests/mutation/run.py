@@ -155,7 +155,8 @@ COLUMN = re.compile(r"(?P<path>[\w-]+) \(vLLM (?P<version>[^)]+)\)")
 
 
 def kill_table(versions: dict[str, str], results: dict[str, dict[str, dict]]) -> str:
-    """The doc's table from each path's results; a killer that failed on one path only names it."""
+    """The doc's table from each path's results; a killer that failed on only some of the paths
+    that ran names those paths."""
     columns = " | ".join(f"{path} (vLLM {versions[path]})" for path in PATHS)
     rule = "|---" * (len(PATHS) + 3) + "|"
     lines = [f"| mutant | what is wrong | {columns} | killed by |", rule]
