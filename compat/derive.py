@@ -112,20 +112,6 @@ DELTA_NO_QUEUE = (
 )
 
 
-@dataclass(frozen=True)
-class Deltas:
-    """The text spliced at the anchors: this package's, or another copy's gate.
-
-    vllm-ascend keeps its own copy of ``schedule()`` with its own gate line;
-    ``upstream_patch/vllm-ascend/phase2a.py`` derives that copy with its ``Deltas`` here, so the
-    anchors, the checks and the splicing are these.
-    """
-
-    # None: this package's own, in the seam's form for the release (the module constants, read at
-    # derivation time like the others, so tests/mutation/ can change them).
-    gate: tuple[str, ...] | None = None
-
-
 class Phase2AUnavailable(RuntimeError):
     """The installed vLLM cannot get the Phase 2A ``schedule()``; the message names the fix."""
 
@@ -350,15 +336,12 @@ def _deltas_named(queue_assert: bool) -> str:
     return "two deltas (delta 3 not applicable: upstream has no queue assert)"
 
 
-def derive_source(
-    module_source: str, vllm_version: str, origin: str = "", deltas: Deltas | None = None
-) -> DerivedSource:
+def derive_source(module_source: str, vllm_version: str, origin: str = "") -> DerivedSource:
     """Splice the deltas into ``Scheduler.schedule`` of ``module_source``.
 
     Every anchor is located in the AST and must match exactly once; the edits insert or replace
     whole lines, so everything else stays upstream's text, comments included.
     """
-    deltas = deltas or Deltas()
     fn = find_schedule(ast.parse(module_source), vllm_version)
     _check_signature(fn, vllm_version)
     loop = waiting_loop(fn, vllm_version)
@@ -373,7 +356,7 @@ def derive_source(
     _starts_line(loop, lines, WAITING_LOOP, vllm_version)
     _ends_line(slot_check, lines, WAITING_LOOP, vllm_version)
 
-    gate = deltas.gate or (DELTA_GATE_FRESH if fresh_only else DELTA_GATE)
+    gate = DELTA_GATE_FRESH if fresh_only else DELTA_GATE
     has_docstring = _without_docstring(fn) is not fn
     disabled_at = _last_line(first) if has_docstring else _body_start(fn, fn.body, lines)
     edits: list[Edit] = [

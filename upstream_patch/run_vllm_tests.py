@@ -34,8 +34,8 @@ the seam, with the tests of both series as "the series' tests".
 
 ``--balance --vllm-ascend R`` adds a third side, vllm-ascend release R's own ``BalanceScheduler``
 (its sdist's source, fetched like vLLM's; gate open), reported beside the two and not judged;
-``--vllm-ascend-tree DIR`` the same for a vllm-ascend work tree (``vllm-ascend/phase2a.py``'s
-output is measured so).
+``--vllm-ascend-tree DIR`` the same for a vllm-ascend work tree (a series applied: the pause-state
+PR's numbers are measured so).
 
 ``--balance`` compares this package instead of the seam: the "upstream" side runs the installed
 scheduler as it is; on the "balance" side every ``Scheduler`` / ``AsyncScheduler`` the tests

@@ -32,7 +32,7 @@ try:
     from vllm.logger import init_logger
 
     logger = init_logger(LOGGER_NAME)
-except ImportError:  # a script's --help without vLLM (upstream_patch/vllm-ascend/phase2a.py):
+except ImportError:  # a script run without vLLM installed:
     # a plain logger; nothing that calls the *_once methods runs there.
     logger = cast(Any, logging.getLogger(LOGGER_NAME))
 

@@ -171,7 +171,7 @@ def prepared_root(release: str, vllm: str, series: Path | None = None) -> Path:
 
 def root_from_tree(tree: Path) -> Path:
     """A directory to put on ``sys.path`` with a vllm-ascend work tree's ``vllm_ascend`` package
-    as it is now (a checkout at any commit, a series or ``phase2a.py`` applied) and its
+    as it is now (a checkout at any commit, a series applied) and its
     ``_build_info.py``; a new one per call, under the cache."""
     root = Path(tempfile.mkdtemp(prefix="vllm-ascend-tree-", dir=_cache()))
     shutil.copytree(tree / "vllm_ascend", root / "vllm_ascend")

@@ -65,7 +65,20 @@ elif os.environ.get("VLLM_BALANCE_SIDE") == "vllm-ascend":
     _ascend_balance = importlib.import_module(f"{_platform.__name__}.patch_balance_schedule")
 
     _ascend_balance._balance_scheduling_enabled = lambda vllm_config: True
-    _BALANCE_CLASSES = {Scheduler: _ascend_balance.BalanceScheduler}
+    # Their AscendConfig, read only for ShortRequestFirst (off by default), stood in: a release's
+    # AscendConfig does not build on a newer vLLM (0.30.0rc2's on 0.34.0: PassConfig.enable_sp),
+    # which is not the scheduler these tests measure.
+    _ascend_balance.init_ascend_config = lambda vllm_config: types.SimpleNamespace(
+        scheduler_config=types.SimpleNamespace(
+            short_request_first_config=types.SimpleNamespace(enabled=False)
+        )
+    )
+    # A release whose module has no asynchronous class (0.30.0rc2 as published) leaves
+    # AsyncScheduler upstream's: that is what its users get under async scheduling.
+    _BALANCE_CLASSES = {
+        Scheduler: _ascend_balance.BalanceScheduler,
+        AsyncScheduler: getattr(_ascend_balance, "BalanceAsyncScheduler", AsyncScheduler),
+    }
 
     def _ascend_new(cls, *args, **kwargs):
         return object.__new__(_BALANCE_CLASSES.get(cls, cls))

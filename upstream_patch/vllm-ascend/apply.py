@@ -4,7 +4,7 @@
     python upstream_patch/vllm-ascend/apply.py <vllm-ascend work tree> --pr PR --mbox DIR
     python upstream_patch/vllm-ascend/apply.py <vllm-ascend work tree> --pr PR --export
 
-``PR`` is one of ``srf``, ``phase2a``, ``phase2b`` (``series.PRS``); the base is the one made for
+``PR`` is one of ``srf``, ``pause-state`` (``series.PRS``); the base is the one made for
 the checkout's commit or release (``vllm_ascend/_version.py``), or ``--base``. Each patch becomes
 a commit whose author is the git identity configured in that checkout. Whole-file rewrites are
 written after checking the file's blob id (see ``series.py``); everything else goes through

@@ -53,7 +53,7 @@ def git(
 # vllm-ascend main, fetched 2026-11-30: "[Test] add memcache dsv4-flash weekly case (#14760)".
 BASE_COMMIT = "182b75ea84ff13ece27b57391331ef8935410aea"
 # The pull requests, in the order they are meant to merge (each README row says what it needs).
-PRS = ("srf", "phase2a", "phase2b", "plugin")
+PRS = ("srf", "pause-state")
 RELEASE_SERIES_PREFIX = "v"
 VERSION_FILE = "vllm_ascend/_version.py"
 BALANCE_MODULE = "vllm_ascend/patch/platform/patch_balance_schedule.py"
