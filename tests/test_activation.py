@@ -389,7 +389,9 @@ ASCEND_PATCH_MODULE = "vllm_ascend.patch.platform.patch_balance_schedule"
 @pytest.mark.parametrize(
     "patched", ["DPEngineCoreProc", "run_engine_core", "run_engine_core-under-our-wrapper"]
 )
-def test_vllm_ascend_engine_core_patches_refuse_double_activation(monkeypatch, patched):
+def test_next_to_vllm_ascends_patches_this_package_steps_aside(monkeypatch, caplog, patched):
+    """Without the take-over, vllm-ascend's own balance runs as it ships it: nothing of theirs is
+    refused, nothing of ours installed, and one warning says so (two gates would gather twice)."""
     # vllm-ascend's built-in balance (and its DyntraLB) replace these two as well as Scheduler.
     if patched == "DPEngineCoreProc":
         name = "vllm.v1.engine.core.DPEngineCoreProc"
@@ -400,24 +402,24 @@ def test_vllm_ascend_engine_core_patches_refuse_double_activation(monkeypatch, p
         name = "EngineCoreProc.run_engine_core"
 
         def foreign(*args, **kwargs):
-            raise AssertionError("not called: activation refuses before running anything")
+            raise AssertionError("not called: activation only decides")
 
         foreign.__module__ = ASCEND_PATCH_MODULE
         monkeypatch.setattr(EngineCoreProc, "run_engine_core", staticmethod(foreign))
         if patched == "run_engine_core-under-our-wrapper":
             plugin.register()  # both plugins loaded: our wrapper now wraps vllm-ascend's
     try:
-        with pytest.raises(ValueError) as excinfo:
-            activation.activate_for(dp_config())
+        with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+            assert activation.activate_for(dp_config()) is False
         swapped = registry.DP_ENGINE_CORE_SWAP.is_installed()
     finally:
         # Ours first (it gives back vllm-ascend's wrapper and forgets it), then the stand-in's:
         # in the other order the registry would keep the wrapper as what it stands in front of.
         registry.uninstall_all()
         monkeypatch.undo()  # before restore_patches checks that upstream's objects are back
-    message = str(excinfo.value)
-    assert message.startswith("balance scheduling is already patched in by vllm-ascend (")
-    assert f"{name} -> {ASCEND_PATCH_MODULE}.{foreign.__qualname__}" in message
+    assert "balance scheduling is already patched in by vllm-ascend (" in caplog.text
+    assert f"{name} -> {ASCEND_PATCH_MODULE}.{foreign.__qualname__}" in caplog.text
+    assert "own balance scheduling runs and this package installs nothing" in caplog.text
     assert not swapped
 
 
@@ -442,20 +444,58 @@ def test_refusals_only_where_balance_could_act_a_warning_elsewhere(
     assert core_module.DPEngineCoreProc is DPEngineCoreProc
 
 
-def test_vllm_ascend_balance_patch_active_refuses_double_activation(monkeypatch):
-    import types
+class _AscendCopy(Scheduler):
+    """vllm-ascend's released BalanceScheduler, in shape: its own scheduling loop."""
 
+    __module__ = ASCEND_PATCH_MODULE
+
+    def schedule(self, throttle_prefills=False):
+        while self.waiting:
+            break
+        return super().schedule(throttle_prefills)
+
+
+class _AscendPauseState(Scheduler):
+    """vllm-ascend's BalanceScheduler after the pause-state PR, in shape: no loop of its own."""
+
+    __module__ = ASCEND_PATCH_MODULE
+
+    def schedule(self, throttle_prefills=False):
+        return super().schedule(throttle_prefills)
+
+
+def _as_vllm_ascends(monkeypatch, shape):
+    """What vllm-ascend's built-in patch does: swap the module-level Scheduler for its own class."""
     import vllm.v1.core.sched.scheduler as scheduler_module
 
-    # What vllm-ascend's built-in patch does: swap the module-level Scheduler for its own class.
-    module = types.ModuleType("vllm_ascend.patch.platform.patch_balance_schedule")
-    ascend_scheduler = type("BalanceScheduler", (Scheduler,), {"__module__": module.__name__})
-    monkeypatch.setattr(scheduler_module, "Scheduler", ascend_scheduler)
-    with pytest.raises(ValueError) as excinfo:
-        activation.activate_for(dp_config())
-    assert str(excinfo.value).startswith(
+    cls = type("BalanceScheduler", (shape,), {"__module__": ASCEND_PATCH_MODULE})
+    monkeypatch.setattr(scheduler_module, "Scheduler", cls)
+    return cls
+
+
+@pytest.mark.parametrize("shape", [_AscendCopy, _AscendPauseState], ids=["copy", "pause"])
+def test_vllm_ascend_balance_patch_active_is_left_to_run(monkeypatch, caplog, shape):
+    import vllm.v1.core.sched.scheduler as scheduler_module
+
+    ascend_scheduler = _as_vllm_ascends(monkeypatch, shape)
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        assert activation.activate_for(dp_config()) is False
+    assert (
         "balance scheduling is already patched in by vllm-ascend (vllm.v1.core.sched.scheduler."
         "Scheduler -> vllm_ascend.patch.platform.patch_balance_schedule.BalanceScheduler): "
-        "refusing a second activation."
-    )
+        "vllm-ascend's own balance scheduling runs"
+    ) in caplog.text
+    assert core_module.DPEngineCoreProc is DPEngineCoreProc
+    assert scheduler_module.Scheduler is ascend_scheduler
+
+
+def test_take_over_is_refused_where_vllm_ascend_copies_no_schedule(monkeypatch):
+    """The take-over replaces a copy of schedule(); a vllm-ascend holding on PAUSED_NEW has none."""
+    _as_vllm_ascends(monkeypatch, _AscendCopy)
+    assert activation.vllm_ascend_copies_schedule()
+    _as_vllm_ascends(monkeypatch, _AscendPauseState)
+    assert not activation.vllm_ascend_copies_schedule()
+    monkeypatch.setenv("VLLM_BALANCE_TAKE_OVER_VLLM_ASCEND", "1")
+    with pytest.raises(ValueError, match=r"copies no schedule\(\).*nothing to take over"):
+        activation.activate_for(dp_config())
     assert core_module.DPEngineCoreProc is DPEngineCoreProc

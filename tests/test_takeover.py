@@ -201,15 +201,17 @@ def test_spawn_engine_core_takes_over_and_vllm_names_stay_restored_after_its_plu
 # Refusals and config sources
 
 
-def test_without_the_opt_in_the_engine_core_refuses_naming_it(fork_engine_core, capfd):
-    with pytest.raises(AssertionError, match="without a probe report"):
-        fork_engine_core("ascend-first", NESTED, opt_in=False)
-    err = logged(capfd)
-    assert (
-        "balance scheduling is already patched in by vllm-ascend (vllm.v1.core.sched.scheduler."
-        f"Scheduler -> {ASCEND_SCHEDULER}; EngineCoreProc.run_engine_core -> vllm_ascend."
-    ) in err
-    assert f"Set {TAKE_OVER_ENV_VAR}=1" in err
+def test_without_the_opt_in_vllm_ascends_own_balance_runs_its_srf_included(fork_engine_core):
+    """No opt-in: this package steps aside and says so; vllm-ascend's balance runs as it ships
+    it, ShortRequestFirst included (nothing of theirs is refused)."""
+    srf = {"short_request_first_config": {"enabled": True}}
+    config = {"scheduler_config": {**NESTED["scheduler_config"], **srf}}
+    _, result = fork_engine_core("ascend-first", config, opt_in=False)
+    assert result["engine_core_mro"][0].startswith("vllm_ascend."), result
+    assert result["names"]["Scheduler"] == ASCEND_SCHEDULER, result
+    [line] = [x for x in result["names"]["balance_log"] if "already patched in" in x]
+    assert f"vllm.v1.core.sched.scheduler.Scheduler -> {ASCEND_SCHEDULER}; " in line, line
+    assert "own balance scheduling runs and this package installs nothing" in line, line
 
 
 def test_vllm_ascend_refuses_this_packages_additional_config_keys(fork_engine_core, capfd):

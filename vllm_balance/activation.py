@@ -46,6 +46,7 @@ from vllm_balance.takeover import (
     foreign_balance_patches,
     prepare_vllm_ascend,
     take_over,
+    vllm_ascend_copies_schedule,
 )
 
 if TYPE_CHECKING:
@@ -112,13 +113,20 @@ def balance_applies(
             f"{role!r} (PD-disaggregated) cannot enable {ENABLE_KEY}"
         )
     if foreign and not options.take_over_vllm_ascend:
-        raise BalanceConfigError(
+        # Theirs runs as they ship it: two gates would gather twice per step and disagree.
+        return BalanceDecision(
+            True,
             "balance scheduling is already patched in by vllm-ascend ("
             + "; ".join(foreign)
-            + f"): refusing a second activation. Set {TAKE_OVER_ENV_VAR}=1 (or additional_config."
-            f"{TAKE_OVER_KEY}=true where vllm-ascend accepts the key) to restore vLLM's names and "
-            "run vllm-balance-scheduling instead (docs/operations.md, 'With vllm-ascend on "
-            "Ascend'), or do not install vllm-balance-scheduling with this vllm-ascend"
+            + "): vllm-ascend's own balance scheduling runs and this package installs nothing. "
+            f"To run this package instead where vllm-ascend still ships a copy of schedule(), set "
+            f"{TAKE_OVER_ENV_VAR}=1 (docs/operations.md, 'With vllm-ascend on Ascend')",
+        )
+    if foreign and not vllm_ascend_copies_schedule():
+        raise TakeOverError(
+            f"{TAKE_OVER_KEY}: vllm-ascend's BalanceScheduler copies no schedule() (it holds a "
+            "frozen step on vLLM's own PauseState.PAUSED_NEW), so there is nothing to take over; "
+            f"unset {TAKE_OVER_ENV_VAR} / {TAKE_OVER_KEY}"
         )
     if getattr(parallel_config, "enable_fault_tolerance", False):
         raise BalanceConfigError(FAULT_TOLERANCE_REFUSAL)

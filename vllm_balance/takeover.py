@@ -8,13 +8,16 @@ of v0.24.0's ``schedule()``) and wraps ``EngineCoreProc.run_engine_core`` (the w
 ``DPEngineCoreProc`` when balance is on); its DyntraLB patch wraps ``run_engine_core`` once more.
 vllm-ascend offers no switch to leave them out.
 
-Without ``balance_take_over_vllm_ascend`` this package refuses to activate next to it
-(``vllm_balance.activation``). With it, the engine-core process gets vLLM's own objects back
-through ``registry.TAKE_OVER_PATCHES`` (reversible; their replacements are the ``vllm_*``
-functions below) before this package activates as it does anywhere else. vLLM's objects are
-found from what replaced them or from vLLM's own source, never from vllm-ascend's private names:
-a swapped class still has vLLM's class in its MRO; vLLM's ``run_engine_core`` is rebuilt from
-vLLM's module (``vllm_run_engine_core``).
+Without ``balance_take_over_vllm_ascend`` this package steps aside next to it: vllm-ascend's
+balance runs as it ships it and this package installs nothing (``vllm_balance.activation``); its
+ShortRequestFirst and DyntraLB are then untouched. With it, where vllm-ascend still ships a copy of
+``schedule()`` (``vllm_ascend_copies_schedule``; a vllm-ascend whose ``BalanceScheduler`` holds on
+vLLM's ``PAUSED_NEW`` has nothing this mode would fix, and it is refused), the engine-core process
+gets vLLM's own objects back through ``registry.TAKE_OVER_PATCHES`` (reversible; their
+replacements are the ``vllm_*`` functions below) before this package activates as it does
+anywhere else. vLLM's objects are found from what replaced them or from vLLM's own source, never
+from vllm-ascend's private names: a swapped class still has vLLM's class in its MRO; vLLM's
+``run_engine_core`` is rebuilt from vLLM's module (``vllm_run_engine_core``).
 
 When vllm-ascend's patches land in a process depends on plugin order. vLLM loads general plugins
 (ours and vllm-ascend's, in entry-point order) in the front end, before the platform hook; in a
@@ -27,7 +30,8 @@ What vllm-ascend's removed code did besides balance is done here or refused: its
 ``AscendConfig`` is initialised in the engine core (``init_vllm_ascend_config``, as its
 ``BalanceScheduler.__init__`` did up to 0.27.1rc1 and its ``run_engine_core`` wrapper does from
 0.30.0rc2; other vllm-ascend code calls ``get_ascend_config()`` there), and the features that live
-in what the take-over removes (ShortRequestFirst's queue, DyntraLB's engine core) are refused.
+in what the take-over removes (ShortRequestFirst's queue, DyntraLB's engine core) are refused
+under the take-over only (an operator's explicit choice, named in the error).
 Tested against vllm-ascend's own released source: ``tests/test_takeover.py``.
 """
 
@@ -190,6 +194,28 @@ def foreign_balance_patches() -> list[str]:
         for name, obj in candidates.items()
         if is_vllm_ascend(obj)
     ]
+
+
+def vllm_ascend_copies_schedule() -> bool:
+    """Whether vllm-ascend's swapped-in ``Scheduler`` carries its own copy of ``schedule()``: a
+    scheduling loop (``while``) in its ``schedule``, what every release up to 0.30.0rc2 ships and
+    the take-over exists to replace. Only its wrappers swapped (DyntraLB) or no source to read:
+    judged as a copy, as every published release is."""
+    import ast
+    import inspect
+    import textwrap
+
+    cls = registry.scheduler_module().Scheduler
+    if not is_vllm_ascend(cls):
+        return True
+    owner = next(c for c in cls.__mro__ if "schedule" in vars(c))
+    if not is_vllm_ascend(owner):  # vLLM's own schedule(), unchanged
+        return False
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(vars(owner)["schedule"])))
+    except (OSError, TypeError):
+        return True
+    return any(isinstance(node, ast.While) for node in ast.walk(tree))
 
 
 def prepare_vllm_ascend(vllm_config: VllmConfig) -> list[str]:
