@@ -18,10 +18,8 @@ Rules of the temporary state, each a lesson:
 
 from __future__ import annotations
 
-import json
 import os
 from functools import cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -29,6 +27,7 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vllm_balance.compat.derive import VerifiedRef, verified_refs
 from vllm_balance.log import logger
 from vllm_balance.shim.scheduler import BalanceSchedulerMixin
 
@@ -37,8 +36,8 @@ if TYPE_CHECKING:  # what the hold is put in front of, so that its calls type-ch
 else:
     _Base = object
 
-# Which hold each verified schedule() gets (written by `nox -s reach`, docs/support-matrix.md).
-FINGERPRINTS_FILE = Path(__file__).with_name("fingerprints.json")
+# Which hold each verified schedule() gets: its fingerprints.json entry (written by `nox -s
+# reach`, docs/support-matrix.md).
 PAUSE_STATE, DERIVED_COPY = "pause-state", "derived-copy"
 REACH_COMMAND = "nox -s reach -- --versions {release}"
 # An operator's override of the recorded hold (and how `nox -s reach` runs each hold on a release).
@@ -122,10 +121,9 @@ class PauseStateBalanceAsyncScheduler(PauseStateHold, BalanceSchedulerMixin, Asy
 
 
 @cache
-def verified_holds() -> dict[str, dict[str, Any]]:
+def verified_holds() -> dict[str, VerifiedRef]:
     """schedule() fingerprint -> its entry in fingerprints.json (release, hold, evidence)."""
-    data = json.loads(FINGERPRINTS_FILE.read_text(encoding="utf-8"))
-    return {entry["fingerprint"]: entry for entry in data["verified"]}
+    return {ref.fingerprint: ref for ref in verified_refs()}
 
 
 def installed_schedule_fingerprint() -> str:
@@ -170,7 +168,7 @@ def hold_for_installed_vllm() -> str:
     found = installed_schedule_fingerprint()
     entry = verified_holds().get(found)
     if entry is not None:
-        return str(entry.get("hold", DERIVED_COPY))
+        return entry.hold
     logger.warning(
         "balance scheduling: vLLM %s's Scheduler.schedule (fingerprint %s) is not verified; "
         "holding frozen steps with vLLM's PauseState.PAUSED_NEW as its SchedulerInterface "

@@ -111,11 +111,11 @@ def no_derived_copy_reason() -> str | None:
         verified_holds,
     )
 
-    entry = verified_holds().get(installed_schedule_fingerprint(), {})
-    if entry.get("hold") != PAUSE_STATE:
+    entry = verified_holds().get(installed_schedule_fingerprint())
+    if entry is None or entry.hold != PAUSE_STATE:
         return None
     try:
         build_phase2a_schedule()
     except Phase2AUnavailable as exc:
-        return f"the pause-state hold serves {entry['release']}, no copy derives: {exc}"
+        return f"the pause-state hold serves {entry.release}, no copy derives: {exc}"
     return None

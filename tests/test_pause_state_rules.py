@@ -141,6 +141,12 @@ def test_negative_control_set_pause_state_logs_every_step(caplog):
 # Which hold the installed vLLM gets: its schedule()'s entry, or pause-state with a warning.
 
 
+def _entry(fingerprint, **fields):
+    from vllm_balance.compat.derive import VerifiedRef
+
+    return VerifiedRef(release="x", fingerprint=fingerprint, date="", evidence="", **fields)
+
+
 def test_an_unverified_schedule_gets_the_pause_state_hold_with_a_warning(monkeypatch, caplog):
     from vllm_balance.compat import pause_state
 
@@ -157,10 +163,9 @@ def test_a_verified_schedule_gets_the_hold_its_entry_names(monkeypatch, caplog, 
     from vllm_balance.compat import pause_state
 
     monkeypatch.delenv(pause_state.HOLD_ENV, raising=False)
-    entry = {"release": "x", "fingerprint": pause_state.installed_schedule_fingerprint()}
-    if hold is not None:
-        entry["hold"] = hold
-    monkeypatch.setattr(pause_state, "verified_holds", lambda: {entry["fingerprint"]: entry})
+    fields = {"hold": hold} if hold is not None else {}
+    entry = _entry(pause_state.installed_schedule_fingerprint(), **fields)
+    monkeypatch.setattr(pause_state, "verified_holds", lambda: {entry.fingerprint: entry})
     with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         assert pause_state.hold_for_installed_vllm() == (hold or pause_state.DERIVED_COPY)
     assert not [r for r in caplog.records if r.name == LOGGER_NAME]
@@ -170,9 +175,9 @@ def test_a_verified_schedule_gets_the_hold_its_entry_names(monkeypatch, caplog, 
 def test_the_hold_env_overrides_the_record_with_a_warning(monkeypatch, caplog, forced):
     from vllm_balance.compat import pause_state
 
-    entry = {"release": "x", "fingerprint": pause_state.installed_schedule_fingerprint()}
-    entry["hold"] = pause_state.DERIVED_COPY if forced == pause_state.PAUSE_STATE else "pause-state"
-    monkeypatch.setattr(pause_state, "verified_holds", lambda: {entry["fingerprint"]: entry})
+    recorded = pause_state.DERIVED_COPY if forced == pause_state.PAUSE_STATE else "pause-state"
+    entry = _entry(pause_state.installed_schedule_fingerprint(), hold=recorded)
+    monkeypatch.setattr(pause_state, "verified_holds", lambda: {entry.fingerprint: entry})
     monkeypatch.setenv(pause_state.HOLD_ENV, forced)
     with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         assert pause_state.hold_for_installed_vllm() == forced
