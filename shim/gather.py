@@ -109,6 +109,7 @@ class RunningCountGather:
         running = len(self.running)
         if running and PAUSED_ALL is not None and self.pause_state == PAUSED_ALL:
             running = 0  # paused with mode="keep": it runs nothing
+        watchdog.raised = None
         watchdog.started = started = time.monotonic()
         try:
             if self._all_gather:
@@ -117,6 +118,9 @@ class RunningCountGather:
             else:
                 reduced = collective.reduce_running(running, self.dp_group)
                 self.set_gathered([reduced.maximum])
+        except BaseException as exc:
+            watchdog.raised = exc  # a reported gather then ends as "failed", not "returned"
+            raise
         finally:
             watchdog.started = None
         self.balance_stats.gather_seconds += time.monotonic() - started

@@ -6,14 +6,16 @@ timestamp) before its all_gather and clear it after. Everything else happens her
 thread started with the rank's first gather: it sleeps until the gather in flight would be
 ``warn_s`` old, logs ``BLOCKED`` (ERROR) if that same gather is still in flight, repeats it each
 time the wait doubles and at least every ``MAX_REPEAT_S``, and logs ``UNBLOCKED`` (WARNING) when
-that gather returns. A healthy rank's thread wakes once per ``warn_s`` and finds nothing to say.
+that gather returns, ``FAILED`` (ERROR, with the exception) when it raised (the gather sets
+``raised`` first). A healthy rank's thread wakes once per ``warn_s`` and finds nothing to say.
 
-The two messages are an interface (docs/operations.md, Troubleshooting; the server test greps
+The messages are an interface (docs/operations.md, Troubleshooting; the server test greps
 them); change their first words only together with the docs:
 
     balance gather blocked: DP1 has waited 5.0 s in gather #1234 of 2 DP ranks; last gathered
         running counts (gather #1233): DP0=3 DP1=4; a rank that logs no ...
     balance gather unblocked: DP1 gather #1234 returned after 7.3 s ...
+    balance gather failed: DP1 gather #1234 raised after 8.1 s: RuntimeError: ...
 
 The gather number is the rank's count of gathers on its current DP group, and every rank gathers
 once per active step (contract 3), so ranks in the same gather report the same number.
@@ -31,6 +33,7 @@ from vllm_balance.shim.stats import BalanceStats
 
 BLOCKED = "balance gather blocked"
 UNBLOCKED = "balance gather unblocked"
+FAILED = "balance gather failed"
 # Upper bound on the gap between two error lines for one blocked gather.
 MAX_REPEAT_S = 60.0
 # How often the thread looks again while a reported gather is still in flight: the UNBLOCKED
@@ -60,6 +63,8 @@ class GatherWatchdog:
         stats: BalanceStats,
     ) -> None:
         self.started: float | None = None
+        # What the gather in flight raised, set before it clears ``started``.
+        self.raised: BaseException | None = None
         self.warn_s = warn_s
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -114,10 +119,11 @@ class GatherWatchdog:
         # Read before ``started``: the gather thread clears ``started`` before it counts the
         # gather, so a gather seen in flight here is number ``completed + 1``.
         completed = self.stats.gathers - self._gathers_before_group
+        raised = self.raised  # before ``started``, which the gather clears after setting it
         started = self.started
         blocked = self._blocked
         if blocked is not None and started != blocked.started:
-            self._report_unblocked(blocked, now - blocked.started)
+            self._report_unblocked(blocked, now - blocked.started, raised)
             blocked = self._blocked = None
         if started is None:
             return self.warn_s
@@ -160,8 +166,23 @@ class GatherWatchdog:
             blocked.number,
         )
 
-    def _report_unblocked(self, blocked: _BlockedGather, waited: float) -> None:
+    def _report_unblocked(
+        self, blocked: _BlockedGather, waited: float, raised: BaseException | None
+    ) -> None:
         self.stats.longest_gather_wait_s = max(self.stats.longest_gather_wait_s, waited)
+        if raised is not None:
+            logger.error(
+                "%s: DP%d gather #%d raised after %.1f s: %s: %s (blocked gathers on this rank: "
+                "%d)",
+                FAILED,
+                self.dp_rank,
+                blocked.number,
+                waited,
+                type(raised).__name__,
+                raised,
+                self.stats.blocked_gathers,
+            )
+            return
         logger.warning(
             "%s: DP%d gather #%d returned after %.1f s (blocked gathers on this rank: %d)",
             UNBLOCKED,

@@ -487,6 +487,45 @@ def test_contract3_one_gather_per_active_step_between_vllm_dp_syncs():
     assert [scheduler.balance_stats.gathers for scheduler in ranks] == [steps, steps]
 
 
+def frozen_after_gather_with_rank0_paused(pause, monkeypatch, widened=False) -> list[bool]:
+    """Rank 0 at the cap and paused by an operator, rank 1 below it; each rank's gate after one
+    real gather. ``widened``: the wrong rule, every paused rank gathering 0."""
+    from vllm_balance.shim import gather
+
+    ranks = [with_waiting(balance_scheduler(), n=n) for n in (CAP, 1)]
+    for scheduler in ranks:
+        factories.set_gathered(scheduler, [0, 0])
+        factories.step(scheduler)  # CAP and 1 running
+    ranks[0]._pause_state = pause  # as set_pause_state() sets it, without its log line
+    for scheduler, group in zip(ranks, gloo_groups(2)):
+        scheduler.dp_group = group
+    with monkeypatch.context() as patched:
+        if widened:
+            patched.setattr(gather, "PAUSED_ALL", pause)
+        run_as_ranks(*(s.balance_gather for s in ranks))
+    return [r.leader_at_cap() for r in ranks]
+
+
+def test_contract1_a_wait_paused_rank_at_the_cap_freezes_the_others_a_keep_paused_one_not(
+    monkeypatch,
+):
+    """``/pause?mode=wait`` (``PAUSED_NEW``) still runs the rank's requests at the cap, so it
+    gathers ``len(running)`` and every rank freezes; only ``mode="keep"`` (``PAUSED_ALL``), which
+    runs nothing, gathers 0 (shim/gather.py). Negative control: every paused rank gathering 0
+    un-freezes the wait case."""
+    from vllm_balance.shim import gather
+
+    if gather.PAUSED_ALL is None:
+        pytest.skip("this vLLM has no scheduler pause states")
+    from vllm.v1.core.sched.interface import PauseState
+
+    wait, keep = PauseState.PAUSED_NEW, PauseState.PAUSED_ALL
+    assert frozen_after_gather_with_rank0_paused(wait, monkeypatch) == [True, True]
+    assert frozen_after_gather_with_rank0_paused(keep, monkeypatch) == [False, False]
+    widened = frozen_after_gather_with_rank0_paused(wait, monkeypatch, widened=True)
+    assert widened == [False, False]  # what the first assertion catches
+
+
 def test_contract3_gather_is_a_noop_until_a_group_is_injected(monkeypatch):
     spy = AllGatherSpy(monkeypatch)
     monkeypatch.setattr(collective, "reduce_running", None)  # a call would raise

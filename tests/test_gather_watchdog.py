@@ -21,7 +21,13 @@ from balance_testbed import factories
 from tests.multiproc.watchdog_log import WatchdogLine, watchdog_lines
 from vllm_balance.log import LOGGER_NAME
 from vllm_balance.shim.stats import BalanceStats
-from vllm_balance.shim.watchdog import BLOCKED, MAX_REPEAT_S, UNBLOCKED, GatherWatchdog
+from vllm_balance.shim.watchdog import (
+    BLOCKED,
+    FAILED,
+    MAX_REPEAT_S,
+    UNBLOCKED,
+    GatherWatchdog,
+)
 
 pytestmark = pytest.mark.path_independent
 
@@ -123,6 +129,23 @@ def test_return_of_a_reported_gather_is_logged_once_with_its_wait(caplog):
     )
     assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.WARNING]
     assert watchdog.stats.longest_gather_wait_s == pytest.approx(7.3)
+
+
+def test_a_reported_gather_that_raised_is_logged_as_failed_with_its_exception(caplog):
+    watchdog = watchdog_after_one_gather()
+    watchdog.started = 10.0
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        watchdog.check(11.5)
+        watchdog.raised = RuntimeError("Connection reset by peer")  # what the gather does
+        watchdog.started = None
+        watchdog.check(18.1)
+    blocked, failed = messages(caplog)
+    assert failed == (
+        f"{FAILED}: DP1 gather #2 raised after 8.1 s: RuntimeError: Connection reset by peer "
+        "(blocked gathers on this rank: 1)"
+    )
+    assert not any(UNBLOCKED in m for m in messages(caplog))
+    assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.ERROR]
 
 
 def test_unreported_gathers_log_nothing(caplog):
@@ -237,3 +260,4 @@ def test_failed_gather_is_not_reported_as_blocked(monkeypatch):
     with pytest.raises(RuntimeError):
         scheduler.balance_gather()
     assert scheduler._gather_watchdog.started is None
+    assert str(scheduler._gather_watchdog.raised) == "Connection reset by peer"
