@@ -228,3 +228,12 @@ def test_profiler_and_metric_hooks_see_every_step_under_the_pause_state_hold(
     probe = pause_state_tree / "tests/ut/test_balance_hooks_probe.py"
     shutil.copyfile(REPO / "tests/vllm_ascend_hooks_probe.py", probe)
     assert ran(run_ut, pause_state_tree, str(probe.relative_to(pause_state_tree))) == {"passed": 2}
+
+
+def test_the_pause_state_pr_imports_nothing_of_this_package(pause_state_tree, run_ut):
+    """After vllm-ascend's config init and a frozen step, ``sys.modules`` holds no module of this
+    repository (tests/vllm_ascend_imports_probe.py; an ``import vllm_balance`` added to their
+    module fails it)."""
+    probe = pause_state_tree / "tests/ut/test_balance_imports_probe.py"
+    shutil.copyfile(REPO / "tests/vllm_ascend_imports_probe.py", probe)
+    assert ran(run_ut, pause_state_tree, str(probe.relative_to(pause_state_tree))) == {"passed": 1}
