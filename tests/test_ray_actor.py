@@ -127,6 +127,24 @@ def test_without_effective_balance_the_actor_class_is_upstreams(config_kwargs):
     assert resolved_actor_class() is DPMoEEngineCoreActor
 
 
+def test_two_ray_engines_in_one_process_that_disagree_are_refused():
+    """The actor class is one name per process, resolved again at each elastic-EP scale-up: a
+    second engine whose balance decision differs from a live one's is refused (either would
+    start or scale up with the other's class); once the first is gone, it starts."""
+    import gc
+
+    first, second = (object.__new__(CoreEngineActorManager) for _ in range(2))
+    assert activation.choose_ray_actor_class(dp_config(), first) is True
+    with pytest.raises(BalanceConfigError, match="runs with balance scheduling on, this one"):
+        activation.choose_ray_actor_class(dp_config(additional_config={}), second)
+    assert resolved_actor_class() is BalanceDPMoEEngineCoreActor  # the live engine's, kept
+    assert activation.choose_ray_actor_class(dp_config(), second) is True  # agreeing: fine
+    del first, second
+    gc.collect()
+    assert activation.choose_ray_actor_class(dp_config(additional_config={})) is False
+    assert resolved_actor_class() is DPMoEEngineCoreActor
+
+
 def test_a_bad_key_is_refused_in_the_api_server_before_any_actor():
     config = dp_config(additional_config={**ENABLED, "balance_collective": "ring"})
     with pytest.raises(ValueError, match="balance_collective must be one of"):

@@ -21,6 +21,7 @@ construction out of ``run_engine_core``), the swap silently stops working;
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -270,7 +271,11 @@ def balance_run_engine_core(*args: Any, dp_rank: int = 0, local_dp_rank: int = 0
     return upstream(*args, dp_rank=dp_rank, local_dp_rank=local_dp_rank, **kwargs)
 
 
-def choose_ray_actor_class(vllm_config: VllmConfig) -> bool:
+# The Ray engine managers alive in this process, by whether balance applies to them.
+_ray_managers: dict[bool, weakref.WeakSet] = {True: weakref.WeakSet(), False: weakref.WeakSet()}
+
+
+def choose_ray_actor_class(vllm_config: VllmConfig, manager: Any = None) -> bool:
     """The API server's decision for Ray engine-core actors; returns whether balance applies.
 
     With Ray, vLLM's ``CoreEngineActorManager`` (in the API server) resolves
@@ -279,9 +284,23 @@ def choose_ray_actor_class(vllm_config: VllmConfig) -> bool:
     the same config the actors get (each actor's ``__init__`` then activates, as
     ``run_engine_core``'s wrapper does: ``vllm_balance.shim.engine_core``). Bad keys and
     impossible configs are refused here, before any actor starts.
+
+    The name is one per process and vLLM resolves it again at each elastic-EP scale-up, so a
+    second Ray engine (``manager``) that disagrees with one still alive in this process is
+    refused: either would otherwise start or scale up with the other's class.
     """
     applies = decide(vllm_config).active
+    if _ray_managers[not applies]:
+        raise BalanceConfigError(
+            "balance scheduling: another Ray data-parallel engine in this process runs with "
+            f"balance scheduling {'off' if applies else 'on'}, this one with it "
+            f"{'on' if applies else 'off'}; the Ray engine-core actor class is one per process "
+            "(vllm.v1.engine.core.DPMoEEngineCoreActor, resolved again at each elastic-EP "
+            "scale-up): run engines that differ in balance scheduling in separate processes"
+        )
     (RAY_ACTOR_SWAP.install if applies else RAY_ACTOR_SWAP.uninstall)()
+    if manager is not None:
+        _ray_managers[applies].add(manager)
     return applies
 
 
@@ -289,5 +308,5 @@ def balance_actor_manager_init(
     manager: Any, vllm_config: VllmConfig, *args: Any, **kwargs: Any
 ) -> None:
     """Replacement for ``CoreEngineActorManager.__init__``: decide, then run upstream's."""
-    choose_ray_actor_class(vllm_config)
+    choose_ray_actor_class(vllm_config, manager)
     RAY_ACTOR_MANAGER_WRAPPER.upstream()(manager, vllm_config, *args, **kwargs)
