@@ -22,7 +22,13 @@ ROOT = Path(__file__).resolve().parent
 # The test bed (pins, the seam's series), for nox's own interpreter, which has none of the venvs'
 # packages; every venv nox builds has it installed (install_testbed).
 sys.path.insert(0, str(ROOT / "testbed"))
-from balance_testbed.pins import PIN_NAMES, PinError, read_pin, read_vllm_ascend_pins  # noqa: E402
+from balance_testbed.pins import (  # noqa: E402
+    PIN_NAMES,
+    PinError,
+    pin_path,
+    read_pin,
+    read_vllm_ascend_pins,
+)
 from balance_testbed.seam_patch import (  # noqa: E402
     IN_TREE_ROOT,
     all_series,
@@ -170,11 +176,62 @@ def smoke(session: nox.Session) -> None:
         session.run("python", "tests/smoke.py")
 
 
-@nox.session
+# advise answers with its verdict's exit status (docs/sim.md): every status but 1 (a crash) and
+# 2 (a bad input) is an answer, not a failure of the session.
+ADVISE_VERDICT_CODES = [0, 3, 4, 5, 6, 7, 8]
+
+
+def installed_before(session: nox.Session, inputs: list[str]) -> bool:
+    """Whether this reused venv was set up from these files as they are now (a stamp of their
+    bytes in the venv); if not, the caller installs and the stamp is written afterwards by
+    ``stamp_installed``."""
+    return _stamp_path(session).is_file() and _stamp_path(session).read_text() == _digest(inputs)
+
+
+def stamp_installed(session: nox.Session, inputs: list[str]) -> None:
+    _stamp_path(session).write_text(_digest(inputs))
+
+
+def _stamp_path(session: nox.Session) -> Path:
+    return Path(session.virtualenv.location) / "vllm-balance-installed-from"
+
+
+def _digest(inputs: list[str]) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in inputs:
+        digest.update(name.encode() + b"\0" + Path(name).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+@nox.session(reuse_venv=True)
 def sim(session: nox.Session) -> None:
-    """The main job: the DP balance simulator on the release-tag vLLM (args after --)."""
-    install_pinned_vllm(session, os.environ.get("VLLM_BALANCE_PIN", "release-tag"))
-    session.run("python", "-m", "balance_sim", *session.posargs)
+    """The main job: the DP balance simulator on the release-tag vLLM (args after --).
+
+    Its venv is kept between runs and set up again only when what it is built from changed
+    (requirements, pins, the two pyproject files); ``advise``'s verdicts are answers (exit
+    status in nox's success codes, printed last by advise itself)."""
+    pin_name = os.environ.get("VLLM_BALANCE_PIN", "release-tag")
+    try:
+        pin_file = str(pin_path(pin_name))
+    except PinError as exc:
+        session.error(str(exc))
+    inputs = [
+        "requirements/test-cpu.txt", "requirements/test-tools.txt", "requirements/sim.txt",
+        "requirements/vllm-ascend.txt", "pins/vllm-ascend.txt", pin_file,
+        "pyproject.toml", "testbed/pyproject.toml",
+    ]  # fmt: skip
+    if installed_before(session, inputs):
+        session.log("the venv is current (its requirements, pins and pyproject files unchanged)")
+    else:
+        install_pinned_vllm(session, pin_name)
+        stamp_installed(session, inputs)
+    advise = session.posargs[:1] == ["advise"]
+    session.run(
+        "python", "-m", "balance_sim", *session.posargs,
+        success_codes=ADVISE_VERDICT_CODES if advise else [0],
+    )  # fmt: skip
 
 
 def _bench_session(seam: bool, doc: str):
