@@ -82,8 +82,9 @@ def _pyplot():
     return plt
 
 
-# Ranks drawn one line each up to this DP; above it the panel shows min / mean / max over ranks.
-MAX_RANK_LINES = 16
+# Ranks drawn one line each up to this DP; above it the panel shows min / mean / max over ranks
+# (eight overlapping step lines cannot be told apart, whatever their colours).
+MAX_RANK_LINES = 4
 
 
 def running_figure(runs: Sequence[tuple[RunRecord, Summary]], title: str = ""):
@@ -103,11 +104,13 @@ def running_figure(runs: Sequence[tuple[RunRecord, Summary]], title: str = ""):
         dp_size, cap = run.config.dp_size, run.config.max_num_seqs
         running = np.asarray(run.log.running).reshape(-1, dp_size)
         if dp_size <= MAX_RANK_LINES:
+            colours = plt.get_cmap("viridis")(np.linspace(0.0, 0.85, dp_size))
             for rank in range(dp_size):
                 ax.plot(
                     run.log.time_s,
                     running[:, rank],
                     linewidth=0.7,
+                    color=colours[rank],
                     label=f"rank {rank}",
                     drawstyle="steps-post",
                 )
@@ -168,9 +171,11 @@ def cdf_figure(runs: Sequence[tuple[RunRecord, Summary]], metric: str, title: st
         tail.set_xlim(low, high)
     tail.set_xlabel(f"{metric.upper()} (ms{', log scale' if tail.get_xscale() == 'log' else ''})")
     plain = ticker.FuncFormatter(lambda value, _: f"{value:g}")
-    for ax in (whole, tail):
+    for ax, subs in ((whole, (1.0, 2.0, 5.0)), (tail, (1.0, 1.5, 2.0, 3.0, 5.0, 7.0))):
+        # The zoomed panel spans less than a decade or two: denser labels, so that its low end
+        # (a few hundred ms) is labelled too.
         if ax.get_xscale() == "log":
-            ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_locator(ticker.LogLocator(subs=subs))
         ax.xaxis.set_major_formatter(plain)
         ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.grid(alpha=0.3, which="both")

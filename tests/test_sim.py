@@ -405,3 +405,31 @@ def test_inflight_floor_router_counts_the_live_floor_the_bump_and_rotates_ties()
     assert router.route(lambda: live) == 3
     router.publish(1.0, [(0, 0)] * 4)  # a fresh snapshot drops the bumps
     assert router.route(lambda: [(0, 0)] * 4) == 2  # equal scores: the rotated start wins
+
+
+def printed_table(text: str) -> list[str]:
+    """The per-policy table of the main job's output: its header line to the first blank one."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("policy "))
+    end = next(i for i in range(start, len(lines)) if not lines[i].strip())
+    return lines[start:end]
+
+
+def test_readme_table_is_what_the_main_job_prints(tmp_path):
+    """README's "What the main job prints", row for row: the default scenario on the release-tag
+    vLLM without the seam, as ``nox -s sim`` runs it (simulated numbers are deterministic)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, session_has_seam, session_pin_name
+
+    if session_pin_name() != "release-tag" or session_has_seam():
+        pytest.skip("README's table is the release-tag vLLM's without the seam (nox -s sim)")
+    run = subprocess.run(
+        [sys.executable, "-m", "balance_sim", "--no-progress", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    expected = printed_table(readme.split("### What the main job prints", 1)[1])
+    assert printed_table(run.stdout) == expected
