@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 
 import pytest
 
@@ -417,7 +418,8 @@ def printed_table(text: str) -> list[str]:
 
 def test_readme_table_is_what_the_main_job_prints(tmp_path):
     """README's "What the main job prints", row for row: the default scenario on the release-tag
-    vLLM without the seam, as ``nox -s sim`` runs it (simulated numbers are deterministic)."""
+    vLLM without the seam, as ``nox -s sim`` runs it (simulated numbers are deterministic); and
+    README's list of expected harmless log lines, each printed by that run."""
     import subprocess
     import sys
 
@@ -433,3 +435,8 @@ def test_readme_table_is_what_the_main_job_prints(tmp_path):
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     expected = printed_table(readme.split("### What the main job prints", 1)[1])
     assert printed_table(run.stdout) == expected
+    # README's list of the harmless log lines: each one is printed, as quoted.
+    listed = " ".join(readme.split("Expected on CPU and harmless", 1)[1].split("\n\n")[0].split())
+    printed = " ".join((run.stdout + run.stderr).split())
+    quoted = re.findall(r"`([^`]+)`", listed)
+    assert len(quoted) == 4 and [q for q in quoted if q not in printed] == []
