@@ -366,7 +366,11 @@ def main(argv: list[str] | None = None) -> int:
             from balance_testbed.vllm_ascend_standin import root_from_tree
 
             ascend_root = root_from_tree(args.vllm_ascend_tree.resolve())
-        sides, problems = balance_sides(tree, pytest_args, ascend_root)
+        try:
+            sides, problems = balance_sides(tree, pytest_args, ascend_root)
+        finally:
+            if args.vllm_ascend_tree and ascend_root is not None:
+                shutil.rmtree(ascend_root, ignore_errors=True)  # a copy made for this run only
     elif args.in_tree:
         sides, problems = in_tree_sides(tree, unpacked, stack, pytest_args, seam_names)
     else:

@@ -172,7 +172,7 @@ def prepared_root(release: str, vllm: str, series: Path | None = None) -> Path:
 def root_from_tree(tree: Path) -> Path:
     """A directory to put on ``sys.path`` with a vllm-ascend work tree's ``vllm_ascend`` package
     as it is now (a checkout at any commit, a series applied) and its
-    ``_build_info.py``; a new one per call, under the cache."""
+    ``_build_info.py``; a new one per call, under the cache (the caller removes it)."""
     root = Path(tempfile.mkdtemp(prefix="vllm-ascend-tree-", dir=_cache()))
     shutil.copytree(tree / "vllm_ascend", root / "vllm_ascend")
     (root / "vllm_ascend" / "_build_info.py").write_text('__device_type__ = "A2"\n')
