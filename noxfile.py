@@ -185,7 +185,8 @@ def installed_before(session: nox.Session, inputs: list[str]) -> bool:
     """Whether this reused venv was set up from these files as they are now (a stamp of their
     bytes in the venv); if not, the caller installs and the stamp is written afterwards by
     ``stamp_installed``."""
-    return _stamp_path(session).is_file() and _stamp_path(session).read_text() == _digest(inputs)
+    stamp = _stamp_path(session)
+    return stamp.is_file() and stamp.read_text() == _digest(inputs)
 
 
 def stamp_installed(session: nox.Session, inputs: list[str]) -> None:
