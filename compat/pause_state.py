@@ -139,6 +139,14 @@ def installed_schedule_fingerprint() -> str:
     return fingerprint(find_schedule(tree, vllm.__version__))
 
 
+def schedule_reads_pause_state() -> bool:
+    """Whether the installed ``Scheduler.schedule`` reads ``self._pause_state``, the attribute a
+    held step sets: on a vLLM that renamed it the hold would be a silent no-op."""
+    import inspect
+
+    return "self._pause_state" in inspect.getsource(Scheduler.schedule)
+
+
 def hold_for_installed_vllm() -> str:
     """``PAUSE_STATE`` or ``DERIVED_COPY`` for the installed vLLM without the seam.
 
@@ -169,6 +177,12 @@ def hold_for_installed_vllm() -> str:
     entry = verified_holds().get(found)
     if entry is not None:
         return entry.hold
+    if not schedule_reads_pause_state():
+        raise RuntimeError(
+            f"balance scheduling cannot hold on vLLM {vllm.__version__}: its "
+            "Scheduler.schedule does not read self._pause_state, so a PAUSED_NEW hold would be "
+            "ignored. Turn balance scheduling off on this vLLM (upstream_patch/README.md)"
+        )
     logger.warning(
         "balance scheduling: vLLM %s's Scheduler.schedule (fingerprint %s) is not verified; "
         "holding frozen steps with vLLM's PauseState.PAUSED_NEW as its SchedulerInterface "

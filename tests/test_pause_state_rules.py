@@ -158,6 +158,20 @@ def test_an_unverified_schedule_gets_the_pause_state_hold_with_a_warning(monkeyp
     assert "is not verified" in line and "nox -s reach -- --versions " in line, line
 
 
+def test_an_unverified_schedule_that_ignores_the_pause_state_is_refused(monkeypatch):
+    """A renamed pause attribute would make every frozen step a silent no-op."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_balance.compat import pause_state
+
+    monkeypatch.delenv(pause_state.HOLD_ENV, raising=False)
+    monkeypatch.setattr(pause_state, "verified_holds", lambda: {})
+    assert pause_state.schedule_reads_pause_state()
+    monkeypatch.setattr(Scheduler, "schedule", lambda self, throttle_prefills=False: None)
+    with pytest.raises(RuntimeError, match="does not read self._pause_state"):
+        pause_state.hold_for_installed_vllm()
+
+
 @pytest.mark.parametrize("hold", ["pause-state", "derived-copy", None])
 def test_a_verified_schedule_gets_the_hold_its_entry_names(monkeypatch, caplog, hold):
     from vllm_balance.compat import pause_state
