@@ -150,3 +150,30 @@ def test_the_report_renders_the_committed_groups_to_the_results_table():
     section = (docs / "results.md").read_text().split("## Emulated device, DP=4/8")[1]
     start = section.index(lines[0])
     assert section[start:].splitlines()[: len(lines)] == lines
+
+
+def test_the_findings_line_quotes_the_table_ranges_from_the_knee_up():
+    """The per-rank finding's throughput, TTFT p99 and TPOT p50 ranges are the table's measured
+    values at loads from 1.0x (the knee) up: a summary that drifted from its table (1.16-1.43x
+    against 1.01-1.43x once) fails here."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "results.md").read_text()
+    section = text.split("## Emulated device, DP=4/8")[1]
+    rows = [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in section.splitlines()
+        if line.startswith("| ") and ", per-rank |" in line
+    ]
+    from_knee = [row for row in rows if float(row[1].rstrip("x")) >= 1.0]
+    assert from_knee
+
+    def measured(column: int) -> list[float]:
+        return [float(row[column].split()[0]) for row in from_knee]
+
+    finding = next(line for line in section.splitlines() if line.startswith("| per-rank device"))
+    for name, column in (("throughput", 3), ("TTFT p99", 5), ("TPOT p50", 6)):
+        values = measured(column)
+        quoted = f"{name} {min(values):.2f}-{max(values):.2f}x"
+        assert quoted in finding, (quoted, re.findall(rf"{name} [\d.]+-[\d.]+x", finding))
