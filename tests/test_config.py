@@ -196,3 +196,57 @@ def test_balance_keys_is_every_key_the_options_read():
     assert set(config.BALANCE_KEYS) == set(ours.values())
     source = inspect.getsource(config.balance_options)
     assert all(name in source for name in ours)
+
+
+def _read(additional_config: dict):
+    from vllm_balance.config import read_options
+
+    return read_options(_vllm_config(json.dumps(additional_config, sort_keys=True)))
+
+
+@pytest.mark.parametrize(
+    "additional_config, where, closest",
+    [
+        (
+            {"enable_balance_scheduling": True, "balance_max_frozen_step": 4},
+            "additional_config.balance_max_frozen_step",
+            "balance_max_frozen_steps",
+        ),
+        (
+            {"scheduler_config": {"enable_balance_scheduling": True, "balance_log_interval": 0}},
+            "additional_config.scheduler_config.balance_log_interval",
+            "balance_log_interval_s",
+        ),
+        # A typo of the enable key would leave balance silently off: refused too.
+        (
+            {"enable_balance_schedulling": True},
+            "additional_config.enable_balance_schedulling",
+            "enable_balance_scheduling",
+        ),
+    ],
+)
+def test_a_misspelled_key_is_refused_naming_the_closest_key_and_the_docs(
+    additional_config, where, closest
+):
+    from vllm_balance.config import BalanceConfigError
+
+    with pytest.raises(BalanceConfigError) as raised:
+        _read(additional_config)
+    message = str(raised.value)
+    assert where in message and repr(closest) in message, message
+    assert 'docs/operations.md, "Configuration keys"' in message
+    assert "\n" not in message
+
+
+def test_other_balance_named_keys_and_the_valid_ones_are_accepted():
+    """vllm-ascend's own ``absolute_balance_threshold`` is not this package's key."""
+    options = _read(
+        {
+            "enable_balance_scheduling": True,
+            "absolute_balance_threshold": 3,
+            "balance_max_frozen_steps": 4,
+            "scheduler_config": {"balance_log_interval_s": 0},
+        }
+    )
+    assert options is not None and options.max_frozen_steps == 4
+    assert options.log_interval_s is None

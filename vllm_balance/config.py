@@ -16,6 +16,7 @@ the key and the value, because a silently ignored ``"yes"`` is an outage waiting
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import sys
@@ -174,7 +175,40 @@ BALANCE_KEYS = (
     GATHER_WARN_KEY,
     COLLECTIVE_KEY,
 )
+KNOWN_KEYS = (ENABLE_KEY, *BALANCE_KEYS)
+KEYS_DOCS = 'docs/operations.md, "Configuration keys"'
 DEFAULT_LOG_INTERVAL_S = 10.0
+
+
+class BalanceConfigError(ValueError):
+    """A key meant for this package that it does not define: one line naming the key, the
+    closest valid key and the docs section."""
+
+
+def _looks_like_ours(key: object) -> bool:
+    """``balance_*`` is this package's prefix; a near-miss of the enable key is a typo of it.
+    Other ``*balance*`` keys are left alone (vllm-ascend has ``absolute_balance_threshold``)."""
+    if not isinstance(key, str):
+        return False
+    return key.startswith("balance_") or bool(difflib.get_close_matches(key, [ENABLE_KEY], 1, 0.9))
+
+
+def refuse_unknown_keys(vllm_config: VllmConfig) -> None:
+    """Raise ``BalanceConfigError`` for a misspelled key of this package, top level or nested:
+    ignored, ``balance_max_frozen_step`` would silently leave the hold unbounded."""
+    additional = _additional_config(vllm_config)
+    nested = additional.get("scheduler_config")
+    places = [("additional_config", additional)]
+    if isinstance(nested, dict):
+        places.append(("additional_config.scheduler_config", nested))
+    for where, keys in places:
+        for key in keys:
+            if _looks_like_ours(key) and key not in KNOWN_KEYS:
+                close = difflib.get_close_matches(key, KNOWN_KEYS, 1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise BalanceConfigError(
+                    f"{where}.{key} is not a balance scheduling key; {hint}see {KEYS_DOCS}"
+                )
 DEFAULT_GATHER_WARN_S = 5.0
 
 
@@ -259,7 +293,10 @@ def read_options(vllm_config: VllmConfig) -> BalanceOptions | None:
     """This config's options where it enables balance scheduling, else None (keys then unread).
 
     The one reader of a ``VllmConfig``: the activation, the balance scheduler and the API
-    server's stat logger each call it with the config they are given. It changes nothing; its
+    server's stat logger each call it with the config they are given. A misspelled key of this
+    package is refused first, also where balance is off (a typo of the enable key leaves it off).
+    It changes nothing; its
     warnings print once per process (vLLM's ``warning_once``), however often a process reads.
     """
+    refuse_unknown_keys(vllm_config)
     return balance_options(vllm_config) if balance_enabled(vllm_config) else None

@@ -242,6 +242,13 @@ def disabled_calls_all_gather() -> None:
     mixin.balance_gather = balance_gather
 
 
+def misspelled_key_accepted() -> None:
+    """A key of this package that it does not define is read as absent (the defaults)."""
+    from vllm_balance import config
+
+    config.refuse_unknown_keys = lambda vllm_config: None
+
+
 def gather_payload_len_waiting() -> None:
     import torch
     import torch.distributed as dist
@@ -484,6 +491,13 @@ MUTANTS = {
             ("compat",),
             delta3_reverted_to_assert,
             has_target=lambda: _derived().replaces_queue_assert,
+        ),
+        Mutant(
+            "misspelled_key_accepted",
+            "a misspelled `balance_*` key (or enable key) ignored instead of refused",
+            ("shim", "compat", "pause-state"),
+            misspelled_key_accepted,
+            files=("tests/test_config.py",),
         ),
         Mutant(
             "gather_payload_len_waiting",
