@@ -29,6 +29,7 @@ from vllm_balance.config import (
     ENABLE_KEY,
     TAKE_OVER_ENV_VAR,
     TAKE_OVER_KEY,
+    BalanceConfigError,
     BalanceOptions,
     additional_value,
     balance_requested,
@@ -52,10 +53,6 @@ from vllm_balance.takeover import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-
-class BalanceConfigError(ValueError):
-    """A configuration that enables balance scheduling but cannot honour it."""
 
 
 @dataclass(frozen=True)

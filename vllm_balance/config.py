@@ -181,8 +181,8 @@ DEFAULT_LOG_INTERVAL_S = 10.0
 
 
 class BalanceConfigError(ValueError):
-    """A key meant for this package that it does not define: one line naming the key, the
-    closest valid key and the docs section."""
+    """A configuration that enables balance scheduling but cannot honour it, or a key meant for
+    this package that it does not define: one line that names the key and the fix."""
 
 
 def _looks_like_ours(key: object) -> bool:
