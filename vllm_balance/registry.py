@@ -19,7 +19,7 @@ patches go on top; ``uninstall_all()`` removes ours first, then gives vllm-ascen
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,8 +27,7 @@ from typing import Any
 
 def resolve(name: str) -> Any:
     """The object ``"package.module:attribute"`` names (the module imported if need be)."""
-    module, _, attribute = name.partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    return pkgutil.resolve_name(name)
 
 
 _STATICS: dict[Any, staticmethod] = {}
