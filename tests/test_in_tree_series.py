@@ -1,10 +1,11 @@
 """upstream_patch/in-tree/: balance scheduling in vLLM itself, the alternative to the seam alone.
 
-Each in-tree series is one commit stacked on the seam series of its release (in-tree/README.md).
-What is checked here is cheap: its form, and, where the installed vLLM is a release it has (the
-main-verified pin's sessions), that it applies on top of the seam to that release's files (the
-installed ``vllm/`` files, unseamed, and the sdist's tests) and that ``apply.py git --in-tree``
-builds the two-commit branch. vLLM's own tests on it: ``nox -s vllm-own-tests -- --in-tree``.
+Each in-tree series is one commit written for exactly one release: alone where no seam series
+serves that release (0.34.0 on, the seam's end), else stacked on that seam series (in-tree/
+README.md). What is checked here is cheap: its form, and, where the installed vLLM is a release it
+has (the main-verified pin's sessions), that it applies exactly to that release's files (the
+installed ``vllm/`` files and the sdist's tests) and that ``apply.py git --in-tree`` builds the
+branch. vLLM's own tests on it: ``nox -s vllm-own-tests -- --in-tree``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import pytest
 from balance_testbed.seam_patch import (
     IN_TREE_ROOT,
     SCHEDULER_PATH,
-    SEAM_METHOD,
     SEAM_TEST_PATH,
     PatchError,
     all_series,
@@ -30,29 +30,37 @@ from balance_testbed.seam_patch import (
     match_series,
     numstat,
     scheduler_text,
+    serving_series,
     stack_files,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
 APPLY = ROOT / "upstream_patch" / "apply.py"
 IN_TREE = all_series(IN_TREE_ROOT)
-# What balance scheduling in vLLM touches: its config, the DP engine core, the scheduler (the gate
-# on the seam) and its interface, and vLLM's scheduler tests.
+# What balance scheduling in vLLM touches: its config (and the config-time checks), the DP group's
+# all-reduce beside sync_dp_state, the DP engine core, the scheduler's admission pause, vLLM's
+# scheduler tests and a new test file for the two-rank sync.
+ENGINE_TEST_PATH = "tests/v1/engine/test_balance_scheduling.py"
 EXPECTED_PATHS = {
     "vllm/config/scheduler.py",
+    "vllm/config/parallel.py",
+    "vllm/config/vllm.py",
     "vllm/engine/arg_utils.py",
-    "vllm/v1/core/sched/interface.py",
     SCHEDULER_PATH,
     "vllm/v1/engine/core.py",
     SEAM_TEST_PATH,
+    ENGINE_TEST_PATH,
 }
 
 
-def test_every_in_tree_series_is_stacked_on_a_seam_series():
+def test_every_in_tree_series_tops_its_releases_stack():
+    """On the seam series serving its release where there is one; the newest stands alone (the
+    seam series end at 0.33)."""
     assert IN_TREE, "no in-tree series"
     for series in IN_TREE:
-        stack = in_tree_stack(str(series.version))
-        assert [s.directory for s in stack[1:]] == [series.directory]
+        seam = serving_series(str(series.version))
+        assert in_tree_stack(str(series.version)) == [*([seam] if seam else []), series]
+    assert in_tree_stack(str(IN_TREE[-1].version)) == [IN_TREE[-1]]
 
 
 @pytest.mark.parametrize("series", IN_TREE, ids=lambda s: s.ref)
@@ -70,7 +78,7 @@ def test_in_tree_series_is_a_message_then_a_diff_with_no_identity(series):
 def test_in_tree_series_touches_what_balance_needs_and_keeps_vllms_tests(series):
     counts = numstat(series)
     assert set(counts) == EXPECTED_PATHS
-    assert counts[SEAM_TEST_PATH][1] == 0, "vLLM's own tests stay as they are"
+    assert all(removed == 0 for path, (_, removed) in counts.items() if path.startswith("tests/"))
 
 
 def _installed_stack() -> list:
@@ -82,34 +90,31 @@ def _installed_stack() -> list:
 
 @pytest.fixture(scope="module")
 def release_texts() -> dict[str, str]:
-    """The installed release's files the stack changes, as it ships them (the seam sessions
-    patched the installed scheduler.py: reverted here)."""
+    """The installed release's files the stack changes, as it ships them (on the seam, the seam
+    sessions patched the installed scheduler.py: reverted here)."""
     stack = _installed_stack()
     files = stack_files(installed_version(), stack, installed_vllm_root())
-    match = match_series(files[SCHEDULER_PATH], installed_version())
-    if match.already_seamed:
-        files[SCHEDULER_PATH] = scheduler_text(files[SCHEDULER_PATH], match.series, reverse=True)
+    if len(stack) > 1:
+        match = match_series(files[SCHEDULER_PATH], installed_version())
+        if match.already_seamed:
+            files[SCHEDULER_PATH] = scheduler_text(files[SCHEDULER_PATH], match.series, True)
     return files
 
 
-def test_in_tree_series_applies_on_the_seam_to_the_installed_release(release_texts):
-    seam, in_tree = _installed_stack()
+def test_in_tree_series_applies_exactly_to_the_installed_release(release_texts):
+    patched = release_texts
+    for series in _installed_stack():
+        patched = apply_series(patched, series)
 
-    patched = apply_series(apply_series(release_texts, seam), in_tree)
-
-    scheduler = patched[SCHEDULER_PATH]
-    # The gate is the seam: the default now reads balance's own state.
-    method = scheduler.split(f"def {SEAM_METHOD}(self) -> bool:", 1)[1].split("\n    def ", 1)[0]
-    assert "return self._dp_rank_at_capacity()" in method
-    assert "self._gather_running_counts()" in patched["vllm/v1/engine/core.py"]
+    # The hold is an admission pause: both reads of the pause in the waiting loop take it.
+    assert patched[SCHEDULER_PATH].count("admission_pause == PauseState.UNPAUSED") == 2
+    assert "self._sync_admission_hold()" in patched["vllm/v1/engine/core.py"]
+    assert "def sync_dp_admission_hold(" in patched["vllm/config/parallel.py"]
     assert "balance_scheduling: bool = False" in patched["vllm/config/scheduler.py"]
-
-
-def test_in_tree_series_does_not_apply_without_the_seam(release_texts):
-    """Negative control: it is written against the seam's text, not the release's."""
-    _, in_tree = _installed_stack()
+    assert ENGINE_TEST_PATH in patched
+    # Negative control: git apply takes no fuzz, so the result does not take it a second time.
     with pytest.raises(PatchError):
-        apply_series(release_texts, in_tree)
+        apply_series(patched, _installed_stack()[-1])
 
 
 def git(repo: Path, *args: str) -> str:
@@ -118,7 +123,7 @@ def git(repo: Path, *args: str) -> str:
     ).stdout.strip()
 
 
-def test_apply_git_in_tree_commits_the_seam_then_balance(tmp_path, monkeypatch, release_texts):
+def test_apply_git_in_tree_commits_the_stack_once(tmp_path, monkeypatch, release_texts):
     config = tmp_path / "gitconfig"
     config.write_text("[user]\n\tname = Test Submitter\n\temail = submitter@example.com\n")
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
@@ -132,16 +137,16 @@ def test_apply_git_in_tree_commits_the_seam_then_balance(tmp_path, monkeypatch, 
     git(repo, "commit", "-q", "-m", "release")
     ref = f"v{installed_version()}"
     git(repo, "tag", ref)
+    command = [sys.executable, str(APPLY), "git", str(repo), "--ref", ref, "--in-tree"]
 
-    result = subprocess.run(
-        [sys.executable, str(APPLY), "git", str(repo), "--ref", ref, "--in-tree"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
 
     assert result.returncode == 0, result.stderr
-    seam, in_tree = _installed_stack()
-    assert git(repo, "rev-parse", "--abbrev-ref", "HEAD") == f"balance-scheduling-{seam.ref}"
+    stack = _installed_stack()
+    assert git(repo, "rev-parse", "--abbrev-ref", "HEAD") == f"balance-scheduling-{stack[-1].ref}"
     subjects = git(repo, "log", "--format=%s", f"{ref}..HEAD").splitlines()
-    expected = [p.read_text().split("\n", 1)[0] for p in (*in_tree.patches, *seam.patches)]
-    assert subjects == expected
+    patches = [patch for series in stack for patch in series.patches]
+    assert subjects == [p.read_text().split("\n", 1)[0] for p in patches[::-1]]
     assert git(repo, "status", "--porcelain") == ""
+    again = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "nothing to do" in again.stdout, again.stderr

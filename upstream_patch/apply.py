@@ -7,8 +7,9 @@
 ``git``: creates a branch at REF and commits each patch of the series with its message (``git
 apply --index`` and ``git commit``). Author and committer are yours, from your git configuration:
 the series carries no identity. ``--signoff`` adds your ``Signed-off-by`` (vLLM requires a DCO
-sign-off; without it, ``git commit --amend -s`` later). ``--in-tree`` then commits the in-tree
-series for REF's release on top (balance scheduling in vLLM itself: in-tree/README.md).
+sign-off; without it, ``git commit --amend -s`` later). ``--in-tree`` commits instead the in-tree
+series stored for the release REF names (vX.Y.Z), after that release's seam series where it has
+one (balance scheduling in vLLM itself: in-tree/README.md); git refuses it if it does not apply.
 
 ``installed``: patches the non-test part (``vllm/...``) of the series into the vLLM that this
 interpreter imports, found with importlib without importing it.
@@ -30,10 +31,12 @@ import sys
 from pathlib import Path
 
 from balance_testbed.seam_patch import (
+    IN_TREE_ROOT,
     SCHEDULER_PATH,
     SEAM_METHOD,
     Match,
     PatchError,
+    all_series,
     commit_message,
     first_line,
     git,
@@ -128,25 +131,33 @@ def build_branch(
         raise ApplyError(f"{repo} is not a git checkout")
     if git(repo, "rev-parse", "--verify", "-q", f"{ref}^{{commit}}", check=False).returncode:
         raise ApplyError(f"{repo}: no commit {ref!r}")
-    match = fitting_series(_scheduler_at(repo, ref), ref, f"{repo}: {ref}")
-    if match is None or match.already_seamed:
-        return f"{repo}: {ref} already defines {SEAM_METHOD}; nothing to do"
-    series = match.series
-    patches = list(series.patches)
     if in_tree:
-        stack = in_tree_stack(series.ref.removeprefix("v"))
-        if not stack or stack[0] != series:
-            raise ApplyError(f"{repo}: no in-tree series for {ref} (series {series.ref} fits)")
-        patches += stack[1].patches
+        # Written for exactly one release's text, so chosen by REF's name.
+        stack = in_tree_stack(ref.removeprefix("v"))
+        if not stack:
+            stored = ", ".join(s.ref for s in all_series(IN_TREE_ROOT)) or "none"
+            raise ApplyError(f"{repo}: no in-tree series for {ref} (stored: {stored})")
+        series, patches = stack[-1], [patch for s in stack for patch in s.patches]
+    else:
+        match = fitting_series(_scheduler_at(repo, ref), ref, f"{repo}: {ref}")
+        if match is None or match.already_seamed:
+            return f"{repo}: {ref} already defines {SEAM_METHOD}; nothing to do"
+        series, patches = match.series, list(match.series.patches)
 
     branch = branch or f"{'balance-scheduling' if in_tree else 'admission-seam'}-{series.ref}"
     if (
         git(repo, "rev-parse", "--verify", "-q", f"refs/heads/{branch}", check=False).returncode
         == 0
     ):
-        if f"def {SEAM_METHOD}(" in _scheduler_at(repo, branch):
-            return f"{repo}: branch {branch} already carries the seam; nothing to do"
-        raise ApplyError(f"{repo}: branch {branch} exists without the seam; pass --branch")
+        what = "the in-tree series" if in_tree else "the seam"
+        if in_tree:
+            tip = git(repo, "log", "-1", "--format=%s", branch).stdout.strip()
+            carried = tip == commit_message(patches[-1]).split("\n", 1)[0]
+        else:
+            carried = f"def {SEAM_METHOD}(" in _scheduler_at(repo, branch)
+        if carried:
+            return f"{repo}: branch {branch} already carries {what}; nothing to do"
+        raise ApplyError(f"{repo}: branch {branch} exists without {what}; pass --branch")
     if git(repo, "status", "--porcelain", "--untracked-files=no").stdout.strip():
         raise ApplyError(f"{repo}: the checkout has uncommitted changes; commit or stash them")
 
@@ -161,14 +172,14 @@ def build_branch(
             signed = ["--signoff"] if signoff else []
             git(repo, "commit", "-q", *signed, "-F", "-", stdin=commit_message(patch))
     except PatchError as exc:
-        # Its scheduler change was checked above, so this is git refusing to commit (no
-        # user.name or user.email configured, a hook) or the new test file being there already:
-        # leave no half-built branch behind.
+        # The seam's scheduler change was checked above, so this is git refusing to commit (no
+        # user.name or user.email configured, a hook), the new test file being there already or
+        # an in-tree series that does not apply: leave no half-built branch behind.
         git(repo, "reset", "-q", "--hard", check=False)
         git(repo, "checkout", "-q", original, check=False)
         git(repo, "branch", "-D", branch, check=False)
         raise ApplyError(f"{repo}: {exc}; branch removed") from exc
-    what = f"series {series.ref}" + (" + its in-tree series" if in_tree else "")
+    what = f"{'in-tree ' if in_tree else ''}series {series.ref}"
     return f"{repo}: branch {branch} = {ref} + {what} ({len(patches)} commit(s))"
 
 
@@ -183,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "--signoff", action="store_true", help="add your Signed-off-by (git commit --signoff)"
     )
     git_mode.add_argument(
-        "--in-tree", action="store_true", help="also commit the in-tree series (balance in vLLM)"
+        "--in-tree", action="store_true", help="commit the in-tree series (balance in vLLM)"
     )
     installed = modes.add_parser("installed", help="patch the vLLM this interpreter imports")
     installed.add_argument("--check", action="store_true", help="dry run: write nothing")

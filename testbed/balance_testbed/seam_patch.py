@@ -33,9 +33,12 @@ from packaging.version import InvalidVersion, Version
 from balance_testbed import REPO
 
 PATCH_ROOT = REPO / "upstream_patch"
-# The alternative to the seam alone: balance scheduling in vLLM itself, stacked on the seam
-# (in-tree/README.md). Same layout: one directory of patches per ref.
+# The alternative to the seam alone: balance scheduling in vLLM itself (in-tree/README.md), on
+# the seam of its release where it has one. Same layout: one directory of patches per ref.
 IN_TREE_ROOT = PATCH_ROOT / "in-tree"
+# The tests-only PR: vLLM's own tests of PAUSED_NEW at every admission site of the waiting loop,
+# with the scheduler.py mutants (mutants/*.patch) they must kill (pause-tests/PR.md).
+PAUSE_TESTS_ROOT = PATCH_ROOT / "pause-tests"
 SEAM_METHOD = "_should_stop_admitting_waiting"
 SCHEDULER_PATH = "vllm/v1/core/sched/scheduler.py"
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
@@ -89,17 +92,34 @@ def serving_series(version: str, root: Path = PATCH_ROOT) -> Series | None:
 
 
 def in_tree_stack(version: str) -> list[Series]:
-    """The series that make the in-tree branch for release ``version``: the seam series serving
-    it, then the in-tree series stored for exactly that release (it is written against the
-    seam's text, so an older release has none); [] where there is none."""
+    """The series that make the in-tree branch for release ``version``: the in-tree series stored
+    for exactly that release, after the seam series serving it where one does (it is then written
+    against the seam's text); alone on a release past the seam (0.34 on); [] where there is none."""
     in_tree = next((s for s in all_series(IN_TREE_ROOT) if s.ref == f"v{version}"), None)
     seam = serving_series(version)
-    return [seam, in_tree] if in_tree and seam else []
+    return [] if in_tree is None else [seam, in_tree] if seam else [in_tree]
+
+
+def pause_tests_series(version: str) -> Series | None:
+    """The tests-only PR stored for exactly release ``version`` (its tests are written against
+    that release's files), or None."""
+    return next((s for s in all_series(PAUSE_TESTS_ROOT) if s.ref == f"v{version}"), None)
+
+
+def mutants(series: Series) -> list[Series]:
+    """The deliberately wrong ``scheduler.py`` changes stored beside ``series``
+    (``mutants/<name>.patch``), each as a one-patch series named after its file."""
+    found = sorted((series.directory / "mutants").glob("*.patch"))
+    return [Series(patch.stem, patch.parent, (patch,)) for patch in found]
 
 
 def stack_paths(stack: list[Series]) -> list[str]:
-    """Every repository path the series of ``stack`` change, in order."""
-    return list(dict.fromkeys(path for series in stack for path in numstat(series)))
+    """Every repository path the series of ``stack`` change, in order, but the files they create."""
+    patches = [str(patch) for series in stack for patch in series.patches]
+    summary = git_apply(PATCH_ROOT, "--summary", *patches).stdout.splitlines()
+    created = {line.split()[-1] for line in summary if line.startswith(" create mode ")}
+    paths = dict.fromkeys(path for series in stack for path in numstat(series))
+    return [path for path in paths if path not in created]
 
 
 def git_apply(tree: Path, *args: str) -> subprocess.CompletedProcess:
@@ -178,9 +198,10 @@ def added_lines(series: Series, path: str) -> list[str]:
     return [line[1:] for line in part.splitlines(keepends=True) if line.startswith("+")]
 
 
-def seam_test_names(series: Series) -> list[str]:
-    """The test functions the series adds to vLLM's test_scheduler.py."""
-    return re.findall(r"^def (test_\w+)\(", "".join(added_lines(series, SEAM_TEST_PATH)), re.M)
+def seam_test_names(series: Series, paths: tuple[str, ...] = (SEAM_TEST_PATH,)) -> list[str]:
+    """The test functions the series adds to ``paths`` (vLLM's test_scheduler.py)."""
+    added = "".join(line for path in paths for line in added_lines(series, path))
+    return re.findall(r"^def (test_\w+)\(", added, re.M)
 
 
 def numstat(series: Series) -> dict[str, tuple[int, int]]:
