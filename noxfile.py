@@ -31,6 +31,7 @@ from balance_testbed.pins import (  # noqa: E402
 )
 from balance_testbed.seam_patch import (  # noqa: E402
     IN_TREE_ROOT,
+    PAUSE_TESTS_ROOT,
     all_series,
     fetch_sdist,
     shadowing,
@@ -361,13 +362,17 @@ def vllm_own_tests(session: nox.Session) -> None:
 
     Each release's wheel shadows the pinned vLLM on PYTHONPATH (run_vllm_tests.py --release), so
     one venv serves every release, as in `nox -s reach`. `-- --in-tree [X.Y.Z]`: the in-tree
-    series (balance scheduling in vLLM, on the seam) instead, at every release it has.
+    series (balance scheduling in vLLM; on 0.34.0 alone, without the seam) instead, at every
+    release it has; `-- --pause-tests [X.Y.Z]`: the tests-only PR, as shipped and per mutant.
     """
     install_pinned_vllm(session, "release-tag")
-    in_tree = ["--in-tree"] if "--in-tree" in session.posargs else []
-    releases = [arg for arg in session.posargs if arg != "--in-tree"]
-    if in_tree and not releases:
-        releases = [s.ref.removeprefix("v") for s in all_series(IN_TREE_ROOT)]
+    modes = {"--in-tree": IN_TREE_ROOT, "--pause-tests": PAUSE_TESTS_ROOT}
+    mode = [arg for arg in session.posargs if arg in modes]
+    releases = [arg for arg in session.posargs if arg not in modes]
+    if len(mode) > 1:
+        session.error("one of --in-tree and --pause-tests")
+    if mode and not releases:
+        releases = [s.ref.removeprefix("v") for s in all_series(modes[mode[0]])]
     # dict.fromkeys: one run per release (the release tag is also the e2e pin's vLLM).
     releases = releases or list(dict.fromkeys(read_pin(name).version for name in PIN_NAMES))
     for release in releases:
@@ -376,7 +381,7 @@ def vllm_own_tests(session: nox.Session) -> None:
         # Each run reports its numbers (passed/skipped/failed per side and file) and as JSON.
         report = Path(session.create_tmp()) / f"vllm-own-tests-{release}.json"
         session.run(
-            "python", "upstream_patch/run_vllm_tests.py", "--release", release, *in_tree,
+            "python", "upstream_patch/run_vllm_tests.py", "--release", release, *mode,
             "--report", str(report),
         )  # fmt: skip
 

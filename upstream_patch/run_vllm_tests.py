@@ -2,6 +2,7 @@
 
     python upstream_patch/run_vllm_tests.py [--release X] [--report FILE] [--balance] [-- ARGS]
     python upstream_patch/run_vllm_tests.py --release X --in-tree [--report FILE] [-- ARGS]
+    python upstream_patch/run_vllm_tests.py [--release X] --pause-tests [--report FILE] [-- ARGS]
 
 This is what an upstream reviewer's CI runs first. ``--release X`` runs on vLLM release X instead
 of the installed vLLM: its unpacked wheel shadows the installed one in the test processes
@@ -26,11 +27,20 @@ series' own tests (the functions it adds) all pass on the patched side and each 
 unpatched side (each tells the two apart), and none fails there only because the method is
 missing (an ``AttributeError`` naming it: a test that proves nothing about the behaviour).
 
-``--in-tree`` runs the in-tree series (balance scheduling in vLLM, stacked on the seam) instead
-of the seam alone: both series' tests are applied to the sdist's; the unpatched side is release X
-as it ships, the patched side its unpacked wheel with both series' ``vllm/`` part applied (the
-series changes more than the scheduler, so the whole tree is patched, then restored). Pass as for
-the seam, with the tests of both series as "the series' tests".
+``--in-tree`` runs the in-tree series (balance scheduling in vLLM; after the seam series where
+release X has one, alone from 0.34 on) instead of the seam alone: the stack's tests are applied
+to the sdist's and run with vLLM's own tests of every file they go to (a file they create
+included); the unpatched side is release X as it ships, the patched side its unpacked wheel with
+the stack's ``vllm/`` part applied (it changes more than the scheduler, so the whole tree is
+patched, then restored). Pass as for the seam, with the stack's tests as "the series' tests";
+each one's reason to fail unpatched is reported (a test of a new method fails there with an
+``AttributeError``: the method is what the series adds).
+
+``--pause-tests`` runs the tests-only PR (``pause-tests/v<X>/``): its cases are added to the
+sdist's ``test_scheduler.py`` and ``test_remote_prefill_lifecycle.py``; one side runs
+``scheduler.py`` as the release ships it, then one side each of its ``mutants/*.patch``
+(``scheduler.py`` with one guard changed). Pass: the PR's tests pass as shipped and each mutant
+fails at least one of them; reported per mutant: which of vLLM's own tests already catch it.
 
 ``--balance --vllm-ascend R`` adds a third side, vllm-ascend release R's own ``BalanceScheduler``
 (its sdist's source, fetched like vLLM's; gate open), reported beside the two and not judged;
@@ -60,6 +70,7 @@ from pathlib import Path
 
 from balance_testbed.junit import junit_failures, junit_outcomes, tally
 from balance_testbed.seam_patch import (
+    IN_TREE_ROOT,
     SCHEDULER_PATH,
     SEAM_METHOD,
     SEAM_TEST_PATH,
@@ -70,6 +81,9 @@ from balance_testbed.seam_patch import (
     installed_version,
     installed_vllm_root,
     match_series,
+    mutants,
+    numstat,
+    pause_tests_series,
     scheduler_text,
     seam_test_names,
     shadowing,
@@ -84,6 +98,10 @@ ASYNC_TEST = "tests/v1/core/test_async_scheduler.py"
 # vLLM's own tests of both scheduler classes, for the seam and for --balance (whose side swaps
 # AsyncScheduler too); reach records them together, by_file apart.
 SEAM_ENTRIES = BALANCE_ENTRIES = (ENTRY_TEST, ASYNC_TEST)
+# --pause-tests: the tests-only PR adds cases to test_scheduler.py and to the lifecycle tests of
+# async KV loads, where vLLM tests async_kv_waiting (pause-tests/PR.md).
+LIFECYCLE_TEST = "tests/v1/kv_connector/unit/test_remote_prefill_lifecycle.py"
+PAUSE_ENTRIES = (ENTRY_TEST, ASYNC_TEST, LIFECYCLE_TEST)
 
 # pytest plugins of the test bed: in place of vLLM's conftest.py files, which are not extracted;
 # with --vllm-conftest only the one that chooses each side's scheduler, beside vLLM's conftests.
@@ -221,32 +239,84 @@ def seam_sides(
     return sides, judge_series_tests(sides, seam_names)
 
 
+def in_tree_test_paths(stack: list) -> tuple[str, ...]:
+    """vLLM's test files the in-tree run covers: the seam's, then every test file the stack
+    changes or creates."""
+    changed = (path for series in stack for path in numstat(series))
+    return tuple(
+        dict.fromkeys([*SEAM_ENTRIES, *(p for p in changed if Path(p).name.startswith("test_"))])
+    )
+
+
 def in_tree_sides(
-    tree: Path, unpacked: Path, stack: list, pytest_args: list[str], seam_names: frozenset[str]
+    tree: Path,
+    unpacked: Path,
+    stack: list,
+    pytest_args: list[str],
+    seam_names: frozenset[str],
+    entries: tuple[str, ...],
 ) -> tuple[dict, list[str]]:
-    """The in-tree series on vLLM's own tests: release as shipped vs the unpacked release
-    (``unpacked``, first on the children's PYTHONPATH) with every series of ``stack`` applied."""
+    """The in-tree series on vLLM's own tests (``entries``): release as shipped vs the unpacked
+    release (``unpacked``, first on the children's PYTHONPATH) with every series of ``stack``
+    applied."""
     patches = [str(patch) for series in stack for patch in series.patches]
     applied = git_apply(tree, "--include=tests/*", *patches)
     if applied.returncode != 0:
         raise RunError(f"the series' tests do not apply to the sdist's: {applied.stderr.strip()}")
-    sides = {"unpatched": run_side(tree, "unpatched", None, pytest_args, SEAM_ENTRIES)}
+    sides = {"unpatched": run_side(tree, "unpatched", None, pytest_args, entries)}
     applied = git_apply(unpacked, "--include=vllm/*", *patches)
     if applied.returncode != 0:
         raise RunError(f"the series do not apply to the wheel's vllm/: {applied.stderr.strip()}")
     try:
-        sides["patched"] = run_side(tree, "patched", None, pytest_args, SEAM_ENTRIES)
+        sides["patched"] = run_side(tree, "patched", None, pytest_args, entries)
     finally:
         git_apply(unpacked, "-R", "--include=vllm/*", *patches[::-1])
-    return sides, judge_series_tests(sides, seam_names)
+    seamed = any(series.directory.parent != IN_TREE_ROOT for series in stack)
+    return sides, judge_series_tests(sides, seam_names, seamed)
 
 
-def judge_series_tests(sides: dict, seam_names: frozenset[str]) -> list[str]:
-    """Each side ran the scheduler it should; the series' own tests pass patched, each fails
-    unpatched, and none fails there only because the seam method is missing."""
+def pause_tests_sides(tree: Path, source: str, series, pytest_args: list[str]) -> dict:
+    """The tests-only PR: vLLM's tests with its cases added, on ``scheduler.py`` as the release
+    ships it (``source``) and on each of the series' mutants of it."""
+    applied = git_apply(tree, *map(str, series.patches))
+    if applied.returncode != 0:
+        raise RunError(f"the PR does not apply to the sdist's tests: {applied.stderr.strip()}")
+    sides = {"as-shipped": run_side(tree, "as-shipped", None, pytest_args, PAUSE_ENTRIES)}
+    for mutant in mutants(series):
+        mutated = tree / f"scheduler-{mutant.ref}.py"
+        mutated.write_text(scheduler_text(source, mutant))
+        sides[mutant.ref] = run_side(tree, mutant.ref, mutated, pytest_args, PAUSE_ENTRIES)
+    return sides
+
+
+def judge_pause_tests(sides: dict, names: frozenset[str]) -> tuple[dict, list[str]]:
+    """Per mutant, which of the PR's tests kill it and which of vLLM's own tests (passing as
+    shipped) already do; problems: a PR test not passing as shipped, a mutant no PR test kills."""
+    shipped = sides["as-shipped"]["outcomes"]
+    new = [t for t in shipped if is_seam_test(t, names)]
+    problems = [] if new else ["none of the PR's tests ran"]
+    problems += [f"fails as shipped: {t}" for t in new if shipped[t] != "passed"]
+    verdicts = {}
+    for name, side in list(sides.items())[1:]:
+        failed = [t for t, outcome in side["outcomes"].items() if outcome == "failed"]
+        verdicts[name] = {
+            "killed_by": [t for t in failed if t in new],
+            "vllm_tests_that_catch_it": [
+                t for t in failed if t not in new and shipped.get(t) == "passed"
+            ],
+        }
+        if not verdicts[name]["killed_by"]:
+            problems.append(f"mutant {name} survives every test of the PR")
+    return verdicts, problems
+
+
+def judge_series_tests(sides: dict, seam_names: frozenset[str], seamed: bool = True) -> list[str]:
+    """Each side ran the scheduler it should (the seam on the patched side only, and there only
+    if ``seamed``: a standalone in-tree series has none); the series' own tests pass patched,
+    each fails unpatched, and none fails there only because the seam method is missing."""
     problems = []
     for name, result in sides.items():
-        if result["side"]["has_seam"] != (name == "patched"):
+        if result["side"]["has_seam"] != (seamed and name == "patched"):
             problems.append(f"{name} side ran the wrong scheduler: {result['side']}")
     unpatched, patched = sides["unpatched"]["outcomes"], sides["patched"]["outcomes"]
     seam_ids = [t for t in patched if is_seam_test(t, seam_names)]
@@ -255,7 +325,7 @@ def judge_series_tests(sides: dict, seam_names: frozenset[str]) -> list[str]:
     failing = [t for t in seam_ids if unpatched.get(t) == "failed"]
     if failing != seam_ids:
         passing = [t for t in seam_ids if t not in failing]
-        problems.append(f"series tests that do not fail without the seam: {passing}")
+        problems.append(f"series tests that do not fail without the series: {passing}")
     messages = sides["unpatched"]["failures"]
     missing = [t for t in failing if "AttributeError" in messages[t] and SEAM_METHOD in messages[t]]
     if missing:
@@ -287,6 +357,65 @@ def balance_sides(
     return sides, problems
 
 
+def prepare_tree(version: str, vllm_conftest: bool, pytest_args: list[str]) -> tuple:
+    """A scratch tree with the release's ``tests/`` (from its sdist) ready for pytest: returns
+    the tree, how many files were extracted, which conftest serves, the full pytest arguments."""
+    tree = Path(tempfile.mkdtemp(prefix=f"vllm-{version}-own-tests-"))
+    extracted = extract_tests(fetch_sdist(version), version, tree, conftests=vllm_conftest)
+    if vllm_conftest:
+        conftest = "vLLM's own conftest.py files, VLLM_TARGET_DEVICE=cpu"
+        os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # for the pytest children
+        pytest_args = ["-p", SIDE_PLUGIN, *pytest_args]
+    else:
+        conftest = f"{CONFTEST_PLUGIN} (this repository's offline replacement)"
+        pytest_args = ["-p", CONFTEST_PLUGIN, *pytest_args]
+    # pytest's defaults, not the settings of a directory above the tree: nox puts it under this
+    # repository (its --strict-markers refuses 0.30.0's test_scheduler.py, whose markers are
+    # registered by vLLM's own configuration, which is not extracted).
+    (tree / "pytest.ini").write_text("[pytest]\n")
+    return tree, extracted, conftest, pytest_args
+
+
+def pause_tests_main(args, version: str, source: str) -> int:
+    """``--pause-tests``: the tests-only PR on release ``version`` (``source``: scheduler.py)."""
+    series = pause_tests_series(version)
+    if series is None:
+        print(f"run_vllm_tests.py: error: no tests-only PR for vLLM {version}", file=sys.stderr)
+        return 1
+    names = frozenset(seam_test_names(series, (ENTRY_TEST, LIFECYCLE_TEST)))
+    tree, extracted, conftest, pytest_args = prepare_tree(
+        version, args.vllm_conftest, list(args.pytest_args)
+    )
+    sides = pause_tests_sides(tree, source, series, pytest_args)
+    verdicts, problems = judge_pause_tests(sides, names)
+    print(f"vLLM {version}: conftest: {conftest}; tests-only PR {series.ref}")
+    for name, side in sides.items():
+        for label, counts in by_file(side["outcomes"], PAUSE_ENTRIES, names).items():
+            tallied = ", ".join(f"{v} {k}" for k, v in counts.items())
+            print(f"vLLM {version} {name}: {label}: {tallied}")
+    for name, verdict in verdicts.items():
+        caught = [t.split("::")[-1] for t in verdict["vllm_tests_that_catch_it"]]
+        print(f"mutant {name}: killed by {[t.split('::')[-1] for t in verdict['killed_by']]}")
+        print(f"mutant {name}: vLLM's own tests that catch it: {caught or 'none'}")
+    if args.report:
+        report = {
+            "vllm": version,
+            "conftest": conftest,
+            "series": series.ref,
+            "extracted_files": extracted,
+            "by_file": {n: by_file(s["outcomes"], PAUSE_ENTRIES, names) for n, s in sides.items()},
+            "mutants": verdicts,
+            "logs": {n: s["log"] for n, s in sides.items()},
+            "problems": problems,
+        }
+        args.report.write_text(json.dumps(report, indent=2))
+    for problem in problems:
+        print(f"run_vllm_tests.py: FAIL: {problem}", file=sys.stderr)
+    if not problems:
+        shutil.rmtree(tree, ignore_errors=True)  # on failure the tree and its logs stay
+    return 1 if problems else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", type=Path, help="write the result as JSON here")
@@ -295,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--release", help="a vLLM release to run on instead of the installed one")
     parser.add_argument(
-        "--in-tree", action="store_true", help="the in-tree series, on the seam (needs --release)"
+        "--in-tree", action="store_true", help="the in-tree series (needs --release)"
     )
     parser.add_argument(
         "--vllm-ascend",
@@ -307,6 +436,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         type=Path,
         help="with --balance: also the BalanceScheduler of a vllm-ascend work tree as it is now",
+    )
+    parser.add_argument(
+        "--pause-tests",
+        action="store_true",
+        help="the tests-only PR (pause-tests/): as shipped and on each of its mutants",
     )
     parser.add_argument(
         "--vllm-conftest",
@@ -326,36 +460,32 @@ def main(argv: list[str] | None = None) -> int:
     else:
         version = installed_version()
         source = (installed_vllm_root() / SCHEDULER_PATH).read_text(encoding="utf-8")
+    if args.pause_tests:
+        try:
+            return pause_tests_main(args, version, source)
+        finally:
+            if args.release:
+                shutil.rmtree(unpacked, ignore_errors=True)
     match = None
     try:
         match = match_series(source, version)
     except PatchError as exc:
-        if not args.balance:  # --balance needs no series: the release may be past the seam
+        if not (args.balance or args.in_tree):  # neither needs one: it may be past the seam
             print(f"run_vllm_tests.py: error: {exc}", file=sys.stderr)
             return 1
-    sdist = fetch_sdist(version)
-    tree = Path(tempfile.mkdtemp(prefix=f"vllm-{version}-own-tests-"))
     entries = BALANCE_ENTRIES if args.balance else SEAM_ENTRIES
     # --balance runs vLLM's tests as the sdist has them: the series' tests are not in the tree.
-    stack = [] if match is None else in_tree_stack(version) if args.in_tree else [match.series]
-    if match is not None and (not stack or stack[0] != match.series):
+    stack = in_tree_stack(version) if args.in_tree else [] if match is None else [match.series]
+    if args.in_tree and not stack:
         print(f"run_vllm_tests.py: error: no in-tree series for vLLM {version}", file=sys.stderr)
         return 1
-    names = {name for series in stack for name in seam_test_names(series)}
+    if args.in_tree:
+        entries = in_tree_test_paths(stack)
+    names = {name for series in stack for name in seam_test_names(series, entries)}
     seam_names = frozenset() if args.balance else frozenset(names)
-    extracted = extract_tests(sdist, version, tree, conftests=args.vllm_conftest)
-    pytest_args = list(args.pytest_args)
-    if args.vllm_conftest:
-        conftest = "vLLM's own conftest.py files, VLLM_TARGET_DEVICE=cpu"
-        os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # for the pytest children
-        pytest_args[:0] = ["-p", SIDE_PLUGIN]
-    else:
-        conftest = f"{CONFTEST_PLUGIN} (this repository's offline replacement)"
-        pytest_args[:0] = ["-p", CONFTEST_PLUGIN]
-    # pytest's defaults, not the settings of a directory above the tree: nox puts it under this
-    # repository (its --strict-markers refuses 0.30.0's test_scheduler.py, whose markers are
-    # registered by vLLM's own configuration, which is not extracted).
-    (tree / "pytest.ini").write_text("[pytest]\n")
+    tree, extracted, conftest, pytest_args = prepare_tree(
+        version, args.vllm_conftest, list(args.pytest_args)
+    )
     if args.balance:
         ascend_root = None
         if args.vllm_ascend:
@@ -372,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.vllm_ascend_tree and ascend_root is not None:
                 shutil.rmtree(ascend_root, ignore_errors=True)  # a copy made for this run only
     elif args.in_tree:
-        sides, problems = in_tree_sides(tree, unpacked, stack, pytest_args, seam_names)
+        sides, problems = in_tree_sides(tree, unpacked, stack, pytest_args, seam_names, entries)
     else:
         sides, problems = seam_sides(tree, source, match, pytest_args, seam_names)
     reference, candidate = list(sides)[:2]
