@@ -178,6 +178,7 @@ BALANCE_KEYS = (
 KNOWN_KEYS = (ENABLE_KEY, *BALANCE_KEYS)
 KEYS_DOCS = 'docs/operations.md, "Configuration keys"'
 DEFAULT_LOG_INTERVAL_S = 10.0
+DEFAULT_GATHER_WARN_S = 5.0
 
 
 class BalanceConfigError(ValueError):
@@ -209,7 +210,6 @@ def refuse_unknown_keys(vllm_config: VllmConfig) -> None:
                 raise BalanceConfigError(
                     f"{where}.{key} is not a balance scheduling key; {hint}see {KEYS_DOCS}"
                 )
-DEFAULT_GATHER_WARN_S = 5.0
 
 
 @dataclass(frozen=True)
