@@ -19,9 +19,13 @@ messages cannot be mistaken for the engine's own all_reduce on the same group.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
+
+# ``Work.wait``'s own default: wait as long as the group's timeout allows.
+NO_TIMEOUT = timedelta(0)
 
 
 class Reduced(NamedTuple):
@@ -36,9 +40,11 @@ def _send(group: Any, tensor: torch.Tensor, peer: int, tag: int) -> Any:
     return group.send([tensor], peer, tag)
 
 
-def _recv(group: Any, peer: int, tag: int, like: torch.Tensor) -> torch.Tensor:
+def _recv(
+    group: Any, peer: int, tag: int, like: torch.Tensor, timeout: timedelta = NO_TIMEOUT
+) -> torch.Tensor:
     received = torch.empty_like(like)
-    group.recv([received], peer, tag).wait()
+    group.recv([received], peer, tag).wait(timeout)
     return received
 
 
@@ -62,34 +68,37 @@ def result(values: torch.Tensor) -> Reduced:
     return Reduced(int(values[0]), -int(values[1]), int(values[2]))
 
 
-def double(values: torch.Tensor, group: Any, rank: int, core: int) -> None:
+def double(
+    values: torch.Tensor, group: Any, rank: int, core: int, timeout: timedelta = NO_TIMEOUT
+) -> None:
     """The log2(core) rounds among ranks ``0..core-1``: round k exchanges with ``rank ^ 2**k``."""
     mask = 1
     while mask < core:
         peer = rank ^ mask
         outgoing = values.clone()  # unchanged while the send is in flight
         sent = _send(group, outgoing, peer, tag=mask)
-        combine(values, _recv(group, peer, tag=mask, like=values))
-        sent.wait()
+        combine(values, _recv(group, peer, tag=mask, like=values, timeout=timeout))
+        sent.wait(timeout)
         mask <<= 1
 
 
-def reduce_running(running: int, group: Any) -> Reduced:
+def reduce_running(running: int, group: Any, timeout: timedelta = NO_TIMEOUT) -> Reduced:
     """Max, min and sum of every rank's ``running`` over ``group`` in ceil(log2 size) hops.
 
     Every rank of ``group`` must call it once, at the same point (like any collective; for the
-    engine that is ``balance_gather()``'s placement).
+    engine that is ``balance_gather()``'s placement). ``timeout`` bounds each message's wait
+    (``RuntimeError`` from gloo past it), as vLLM's ``cpu_all_reduce_`` bounds its own.
     """
     rank, world = group.rank(), group.size()
     values = initial(running)
     core = fold_size(world)
     if rank >= core:  # an extra rank: contribute to the partner, wait for the result
-        _send(group, values, rank - core, tag=0).wait()
-        return result(_recv(group, rank - core, tag=0, like=values))
+        _send(group, values, rank - core, tag=0).wait(timeout)
+        return result(_recv(group, rank - core, tag=0, like=values, timeout=timeout))
     extra = rank + core if rank + core < world else None
     if extra is not None:  # fold the extra rank in before the doubling, so every rank sees it
-        combine(values, _recv(group, extra, tag=0, like=values))
-    double(values, group, rank, core)
+        combine(values, _recv(group, extra, tag=0, like=values, timeout=timeout))
+    double(values, group, rank, core, timeout)
     if extra is not None:
-        _send(group, values, extra, tag=0).wait()
+        _send(group, values, extra, tag=0).wait(timeout)
     return result(values)

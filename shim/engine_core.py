@@ -42,9 +42,11 @@ class BalanceDPEngineCoreProc(DPEngineCoreProc):
     @property
     def dp_group(self) -> Any:
         """vLLM's DP group. vLLM assigns it at start-up (before the scheduler exists) and again
-        when it swaps in a group of another size, keeping the scheduler: an elastic-EP resize
-        (``ElasticEPScalingState._commit_new_dp_group``). Each assignment is handed to the
-        scheduler at once, so the step after a resize gathers and decides on the new group."""
+        when it swaps in a new group, keeping the scheduler: an elastic-EP resize
+        (``ElasticEPScalingState._commit_new_dp_group``) and a fault-tolerance ``retry``
+        (``EngineCoreSentinel``'s group re-init, on the input thread while the busy loop waits
+        in ``fault_tolerant_wrapper``). Each assignment is handed to the scheduler at once, so
+        the step after either gathers and decides on the new group."""
         return self._balance_dp_group
 
     @dp_group.setter

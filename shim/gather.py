@@ -3,16 +3,21 @@
 The scheduler half that moves counts between ranks; the gate that reads them is
 ``shim/scheduler.py``. The engine core says when (``BalanceDPEngineCoreProc``); the buffer, the
 group it is sized for, the pause rule, the watchdog and the gather's statistics live here.
+
+With vLLM's fault tolerance on (``--enable-fault-tolerance``) the gather fails after
+``gather_timeout_under_fault_tolerance`` instead of waiting for gloo's own timeout: see there.
 """
 
 from __future__ import annotations
 
 import operator
 import time
-from typing import TYPE_CHECKING, Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from vllm_balance.config import ALL_GATHER, BalanceOptions
 from vllm_balance.shim import collective
@@ -28,6 +33,45 @@ except ImportError:  # a vLLM without scheduler pause states
 
 if TYPE_CHECKING:
     from vllm.config import ParallelConfig
+
+# The share of vLLM's engine_recovery_timeout_sec a healthy rank may wait in the gather for a
+# faulted peer, when cpu_distributed_timeout_seconds does not bound it sooner.
+RECOVERY_SHARE = 0.5
+
+
+class GatherTimeout(NamedTuple):
+    """How long a gather may wait for its peers under fault tolerance, and where that comes from."""
+
+    seconds: float
+    source: str  # for the activation line: the vLLM setting it is derived from
+
+
+def gather_timeout_under_fault_tolerance(parallel_config: ParallelConfig) -> GatherTimeout | None:
+    """The gather's timeout with vLLM's fault tolerance on; None with it off (gloo's own).
+
+    NOTE(fault tolerance): vLLM's ``fault_tolerant_wrapper`` turns an exception out of the busy
+    loop into the rank's fault: ``EngineCoreSentinel.on_fault`` aborts the rank's requests,
+    reports it UNHEALTHY, and waits ``engine_recovery_timeout_sec`` for a ``retry``, which only
+    UNHEALTHY ranks accept. A faulted peer never enters the gather, so without a bound the healthy
+    ranks would wait in it for gloo's timeout (30 min by default), stay HEALTHY, and the faulted
+    rank would give up first. Bounded, the gather raises out of ``_has_global_unfinished_reqs``
+    into the wrapper: the healthy rank's fault in vLLM's terms, within half of the faulted rank's
+    recovery window (the other half is the orchestrator's, to send ``retry`` to every rank), or
+    sooner where ``cpu_distributed_timeout_seconds``, vLLM's bound on its own collectives on that
+    group, is shorter. The price: a peer that reaches the gather later than that (the forward's
+    MoE collectives keep the ranks within one step of each other) is a fault on every rank too,
+    which recovery then handles.
+    """
+    if not getattr(parallel_config, "enable_fault_tolerance", False):
+        return None
+    recovery_s = parallel_config.fault_tolerance_config.engine_recovery_timeout_sec
+    bound = GatherTimeout(
+        recovery_s * RECOVERY_SHARE, f"half of engine_recovery_timeout_sec={recovery_s}"
+    )
+    cpu_s = getattr(parallel_config, "cpu_distributed_timeout_seconds", None)
+    if cpu_s is not None and cpu_s < bound.seconds:
+        return GatherTimeout(float(cpu_s), f"cpu_distributed_timeout_seconds={cpu_s}")
+    return bound
 
 
 class RunningCountGather:
@@ -49,6 +93,9 @@ class RunningCountGather:
         self._all_gather = options.collective == ALL_GATHER
         self._max_frozen_steps = options.max_frozen_steps
         self.balance_stats = BalanceStats()
+        timeout = gather_timeout_under_fault_tolerance(parallel_config)
+        # None: gloo's own timeout, the contract's plain all_gather (fault tolerance off).
+        self._gather_timeout = None if timeout is None else timedelta(seconds=timeout.seconds)
         self._gather_watchdog = GatherWatchdog(
             options.gather_warn_s,
             parallel_config.data_parallel_rank,
@@ -81,9 +128,11 @@ class RunningCountGather:
         """Gather on ``group`` from now on, sized and ranked by it.
 
         vLLM replaces its DP group object, with a new size and rank, on an elastic-EP resize
-        (``ElasticEPScalingState._commit_new_dp_group``) and keeps the scheduler; the engine core
-        hands each group over as vLLM assigns it, so the next ``schedule()`` already reads a
-        buffer of the new group (``BalanceDPEngineCoreProc.dp_group``).
+        (``ElasticEPScalingState._commit_new_dp_group``), and with a rebuilt one on a
+        fault-tolerance ``retry`` (``EngineCoreSentinel``'s group re-init), and keeps the
+        scheduler; the engine core hands each group over as vLLM assigns it, so the next
+        ``schedule()`` already reads a zeroed buffer of the new group
+        (``BalanceDPEngineCoreProc.dp_group``), not the counts gathered before the fault.
         """
         self.dp_group = group
         if self._balance_enabled and group is not None and group is not self._gather_group:
@@ -112,19 +161,39 @@ class RunningCountGather:
         watchdog.raised = None
         watchdog.started = started = time.monotonic()
         try:
-            if self._all_gather:
+            if self._gather_timeout is not None:
+                reduced = self._gather_within(running, self._gather_timeout)
+            elif self._all_gather:
                 running_count = torch.tensor([running], dtype=torch.int32)
                 dist.all_gather(self.balance_queue, running_count, group=self.dp_group)
             else:
                 reduced = collective.reduce_running(running, self.dp_group)
                 self.set_gathered([reduced.maximum])
         except BaseException as exc:
-            watchdog.raised = exc  # a reported gather then ends as "failed", not "returned"
+            watchdog.gather_raised(exc)  # logged as "failed", by the watchdog
             raise
         finally:
             watchdog.started = None
         self.balance_stats.gather_seconds += time.monotonic() - started
         self.observe_gathered(reduced)
+
+    def _gather_within(self, running: int, timeout: timedelta) -> collective.Reduced | None:
+        """The same collective, same group and payload, failing after ``timeout`` with a
+        ``RuntimeError`` from gloo (``gather_timeout_under_fault_tolerance``).
+
+        The timeout is this operation's own (gloo's per-operation option, a wait bound on each
+        point-to-point message), not the group's default: vLLM's own collectives on its DP group
+        keep the timeouts vLLM gives them.
+        """
+        if self._all_gather:
+            options = AllgatherOptions()
+            options.timeout = timeout
+            running_count = torch.tensor([running], dtype=torch.int32)
+            self.dp_group.allgather([self.balance_queue], [running_count], options).wait()
+            return None
+        reduced = collective.reduce_running(running, self.dp_group, timeout)
+        self.set_gathered([reduced.maximum])
+        return reduced
 
     def set_gathered(self, counts: list[int] | torch.Tensor) -> None:
         """Write gathered counts (or the reduction's maximum alone) where the gate reads them."""

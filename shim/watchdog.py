@@ -6,8 +6,10 @@ timestamp) before its all_gather and clear it after. Everything else happens her
 thread started with the rank's first gather: it sleeps until the gather in flight would be
 ``warn_s`` old, logs ``BLOCKED`` (ERROR) if that same gather is still in flight, repeats it each
 time the wait doubles and at least every ``MAX_REPEAT_S``, and logs ``UNBLOCKED`` (WARNING) when
-that gather returns, ``FAILED`` (ERROR, with the exception) when it raised (the gather sets
-``raised`` first). A healthy rank's thread wakes once per ``warn_s`` and finds nothing to say.
+that gather returns, ``FAILED`` (ERROR, with the exception) when it raised (the gather reports
+it through ``gather_raised``, which logs it at once if the thread had not reported it blocked: a
+gather that fails sooner than ``warn_s``, such as one bounded under vLLM's fault tolerance). A
+healthy rank's thread wakes once per ``warn_s`` and finds nothing to say.
 
 The messages are an interface (docs/operations.md, Troubleshooting; the server test greps
 them); change their first words only together with the docs:
@@ -72,6 +74,9 @@ class GatherWatchdog:
         # scheduler is in the gather and logs (and publishes) nothing until it returns.
         self.stats = stats
         self._blocked: _BlockedGather | None = None
+        # Orders a raised gather's report between this thread and the gathering thread, which
+        # takes it only when its gather raised: exactly one of the two logs FAILED.
+        self._lock = threading.Lock()
         # stats.gathers before the current DP group: gathers are numbered from the group's first.
         self._gathers_before_group = 0
         self.unstarted = True
@@ -113,8 +118,32 @@ class GatherWatchdog:
         while not self._closed.wait(sleep_s):
             sleep_s = self.check(time.monotonic())
 
+    def gather_raised(self, exc: BaseException) -> None:
+        """The gathering thread's part when its gather raised: ``FAILED``, logged at once.
+
+        At once, not at this thread's next look: under vLLM's fault tolerance the rank's next
+        gather (after ``retry``) can start within that look's 0.1 s and would hide how this one
+        ended. Also for a gather not yet reported blocked (a timeout shorter than ``warn_s``, a
+        peer's closed connection). The lock makes it one line per gather, whichever thread looks.
+        """
+        with self._lock:
+            self.raised = exc
+            started, self.started = self.started, None
+            blocked = self._blocked
+            if self.warn_s is None or started is None:
+                return
+            if blocked is None or blocked.started != started:
+                number = self.stats.gathers - self._gathers_before_group + 1
+                blocked = _BlockedGather(started, number, 0.0)
+            self._blocked = None
+            self._report_unblocked(blocked, time.monotonic() - started, exc)
+
     def check(self, now: float) -> float:
         """Look at the gather in flight once, log what is due; return seconds until next look."""
+        with self._lock:
+            return self._check(now)
+
+    def _check(self, now: float) -> float:
         assert self.warn_s is not None
         # Read before ``started``: the gather thread clears ``started`` before it counts the
         # gather, so a gather seen in flight here is number ``completed + 1``.

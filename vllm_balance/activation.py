@@ -52,7 +52,7 @@ from vllm_balance.takeover import (
 )
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ParallelConfig, VllmConfig
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,9 @@ def balance_applies(
             "frozen step on vLLM's own PauseState.PAUSED_NEW), so there is nothing to take over; "
             f"unset {TAKE_OVER_ENV_VAR} / {TAKE_OVER_KEY}"
         )
-    if getattr(parallel_config, "enable_fault_tolerance", False):
-        raise BalanceConfigError(FAULT_TOLERANCE_REFUSAL)
+    refusal = fault_tolerance_refusal(parallel_config)
+    if refusal is not None:
+        raise BalanceConfigError(refusal)
     for key, lost in LOST_WITH_THE_TAKE_OVER.items() if foreign else ():
         _, value = additional_value(vllm_config, key)  # vllm-ascend's <key>.enabled
         if isinstance(value, dict) and value.get("enabled") is True:
@@ -161,13 +162,46 @@ def decide(vllm_config: VllmConfig | None) -> BalanceDecision:
     return decision
 
 
-# Why not followed: docs/design.md, "When the DP group changes, pauses or faults".
-FAULT_TOLERANCE_REFUSAL = (
-    "balance scheduling cannot run with vLLM's fault tolerance (--enable-fault-tolerance): after "
-    "a rank's fault the healthy ranks would wait in balance's per-step gather instead of "
-    "reaching vLLM's recovery; turn off one of enable_balance_scheduling and "
-    "--enable-fault-tolerance"
+FAULT_TOLERANCE_NOT_ROUTED = (
+    "balance scheduling cannot run with this vLLM's fault tolerance (--enable-fault-tolerance): "
+    "its DP engine core's busy loop (DPEngineCoreProc.run_busy_loop) is not wrapped by "
+    "fault_tolerant_wrapper, so a balance gather that fails on a peer's fault would not reach "
+    "vLLM's recovery; turn off one of enable_balance_scheduling and --enable-fault-tolerance"
 )
+FAULT_TOLERANCE_NO_TIMEOUT = (
+    "balance scheduling cannot run with vLLM's fault tolerance (--enable-fault-tolerance) and "
+    "{source}: no positive timeout bounds balance's per-step gather, so after a rank's fault the "
+    "healthy ranks would wait in it instead of reaching vLLM's recovery; set it above 0, or turn "
+    "off one of enable_balance_scheduling and --enable-fault-tolerance"
+)
+
+
+def fault_tolerance_refusal(parallel_config: ParallelConfig) -> str | None:
+    """Why balance cannot run under this vLLM's fault tolerance; None where it can, or it is off.
+
+    Balance runs with it where a gather blocked by a faulted peer becomes the healthy rank's own
+    fault in vLLM's terms: the gather fails after a positive timeout
+    (``gather_timeout_under_fault_tolerance``) and the exception leaves the DP busy loop through
+    ``fault_tolerant_wrapper`` (feature detection: the wrapper exists and wraps the loop).
+    """
+    from vllm_balance.shim.gather import gather_timeout_under_fault_tolerance
+
+    timeout = gather_timeout_under_fault_tolerance(parallel_config)
+    if timeout is None:
+        return None
+    if not timeout.seconds > 0:
+        return FAULT_TOLERANCE_NO_TIMEOUT.format(source=timeout.source)
+    try:  # vLLM 0.30+
+        from vllm.v1.fault_tolerance.engine_core_sentinel import fault_tolerant_wrapper
+    except ImportError:
+        return FAULT_TOLERANCE_NOT_ROUTED
+    from vllm.v1.engine.core import DPEngineCoreProc
+
+    # The wrapper returns its inner function, unrenamed: the loop's qualified name says it.
+    wrapper_locals = f"{fault_tolerant_wrapper.__qualname__}.<locals>."
+    if not DPEngineCoreProc.run_busy_loop.__qualname__.startswith(wrapper_locals):
+        return FAULT_TOLERANCE_NOT_ROUTED
+    return None
 
 
 def select_scheduler_cls(vllm_config: VllmConfig) -> type:
@@ -226,15 +260,20 @@ def activate_for(
         # What run_engine_core will build (the swapped module-global), not a fixed name.
         engine_core = DP_ENGINE_CORE_SWAP.current()
     from vllm_balance.selection import active_path
+    from vllm_balance.shim.gather import gather_timeout_under_fault_tolerance
 
     parallel_config = vllm_config.parallel_config
+    timeout = gather_timeout_under_fault_tolerance(parallel_config)
     logger.info(
-        "balance scheduling active: DP%d of DP=%d, MoE, path=%s, scheduler=%s, engine core=%s",
+        "balance scheduling active: DP%d of DP=%d, MoE, path=%s, scheduler=%s, engine core=%s%s",
         parallel_config.data_parallel_rank if dp_rank is None else dp_rank,
         parallel_config.data_parallel_size,
         active_path(),
         scheduler_cls.__name__,
         engine_core.__name__,
+        ""
+        if timeout is None
+        else f", fault tolerance: gather timeout {timeout.seconds:g} s ({timeout.source})",
     )
     from vllm_balance.shim.metrics import export_status
 

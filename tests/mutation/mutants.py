@@ -249,6 +249,30 @@ def misspelled_key_accepted() -> None:
     config.refuse_unknown_keys = lambda vllm_config: None
 
 
+def gather_unbounded_under_fault_tolerance() -> None:
+    """Fault tolerance on, the gather keeps gloo's own timeout (30 min): a faulted peer holds
+    the healthy ranks outside vLLM's recovery."""
+    from vllm_balance.shim import gather
+
+    gather.gather_timeout_under_fault_tolerance = lambda parallel_config: None
+
+
+def stale_counts_after_same_size_group() -> None:
+    """A rebuilt DP group of the same size (a fault-tolerance ``retry``) keeps the counts
+    gathered before the fault: the first step after the retry can be frozen on them."""
+    mixin = _mixin()
+
+    def follow_dp_group(self, group):
+        self.dp_group = group
+        if self._balance_enabled and group is not None and group is not self._gather_group:
+            resized = self._gather_group is None or group.size() != self._gather_group.size()
+            self._gather_group = group
+            if resized:
+                self._reset_gathered(group.size(), group.rank())
+
+    mixin.follow_dp_group = follow_dp_group
+
+
 def gather_payload_len_waiting() -> None:
     import torch
     import torch.distributed as dist
@@ -498,6 +522,20 @@ MUTANTS = {
             ("shim", "compat", "pause-state"),
             misspelled_key_accepted,
             files=("tests/test_config.py",),
+        ),
+        Mutant(
+            "gather_unbounded_under_fault_tolerance",
+            "fault tolerance on, the gather keeps gloo's own timeout",
+            ("shim", "compat", "pause-state"),
+            gather_unbounded_under_fault_tolerance,
+            files=("tests/multiproc/test_fault_tolerance.py", "tests/test_dp_shapes.py"),
+        ),
+        Mutant(
+            "stale_counts_after_same_size_group",
+            "a rebuilt DP group of the same size (an FT `retry`) keeps the pre-fault counts",
+            ("shim", "compat", "pause-state"),
+            stale_counts_after_same_size_group,
+            files=("tests/multiproc/test_fault_tolerance.py",),
         ),
         Mutant(
             "gather_payload_len_waiting",
