@@ -120,21 +120,12 @@ def _input_thread(engine: Any, spec: dict) -> None:
 
 
 def _step(engine: Any, recorder: RankRecorder, adds: int, label: str, fault: str | None):
-    from balance_testbed import factories
+    from tests.multiproc.resize import scheduled_step
 
     scheduler = engine.scheduler
-    requests = factories.make_requests(adds, prompt_len=8, max_tokens=MAX_TOKENS, prefix=label)
-    factories.add_requests(scheduler, requests)
-    recorder.added.extend(request.request_id for request in requests)
-    output, _ = factories.step(scheduler)
-    record = {
-        "label": label,
-        "read": [int(t.item()) for t in scheduler.balance_queue],  # what this step's gate read
-        "frozen": bool(scheduler.admission_frozen),
-        "admitted": len(output.scheduled_new_reqs),
-        "running": len(scheduler.running),
-        "group": id(engine.dp_group),
-    }
+    record, added = scheduled_step(scheduler, adds, label, MAX_TOKENS)
+    recorder.added.extend(added)
+    record["group"] = id(engine.dp_group)
     recorder.steps.append(record)
     if fault is not None:  # after the forward, before the gather: the peers wait in the gather
         recorder.fault_injected_at.append([engine.harness_round, time.monotonic()])

@@ -58,11 +58,14 @@ def _engine(vllm_config: Any, scheduler: Any, executor: WorkerRpcStandIn) -> Any
     return engine
 
 
-def _step(engine: Any, adds: int, label: str) -> dict:
+def scheduled_step(
+    scheduler: Any, adds: int, label: str, max_tokens: int = MAX_TOKENS
+) -> tuple[dict, list[str]]:
+    """``adds`` new requests, then one scheduler step (forward and update); what the step's gate
+    read and did, and the ids of the requests added. The faults harness steps the same way."""
     from balance_testbed import factories
 
-    scheduler = engine.scheduler
-    requests = factories.make_requests(adds, prompt_len=8, max_tokens=MAX_TOKENS, prefix=label)
+    requests = factories.make_requests(adds, prompt_len=8, max_tokens=max_tokens, prefix=label)
     factories.add_requests(scheduler, requests)
     output, _ = factories.step(scheduler)
     record = {
@@ -72,6 +75,12 @@ def _step(engine: Any, adds: int, label: str) -> dict:
         "admitted": len(output.scheduled_new_reqs),
         "running": len(scheduler.running),
     }
+    return record, [request.request_id for request in requests]
+
+
+def _step(engine: Any, adds: int, label: str) -> dict:
+    scheduler = engine.scheduler
+    record, _ = scheduled_step(scheduler, adds, label)
     engine._has_global_unfinished_reqs(True)  # vLLM's DP sync, then the balance gather
     stats, watchdog = scheduler.balance_stats, scheduler._gather_watchdog
     record.update(
