@@ -58,9 +58,8 @@ CHILD = textwrap.dedent(
 
 def copy_without_compat(target: Path) -> Path:
     """The installed layout (vllm_balance/ with shim/ inside it), compat/ left out."""
-    package = target / "vllm_balance"
-    shutil.copytree(ROOT / "vllm_balance", package, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(ROOT / "shim", package / "shim", ignore=shutil.ignore_patterns("__pycache__"))
+    ignored = shutil.ignore_patterns("__pycache__", "compat")
+    shutil.copytree(ROOT / "vllm_balance", target / "vllm_balance", ignore=ignored)
     return target
 
 
