@@ -8,7 +8,7 @@ Phase 2A is upstream ``Scheduler.schedule`` plus three deltas: the seam series' 
 2. the gate, right after upstream's own request-slot check in the WAITING loop (which stays, so
    the gate can only hold back), in the seam's form for the release
    (``vllm_balance.slot_check.holds_fresh_requests_only``): ``if request_queue is self.waiting and
-   self.admission_frozen: self.admission_held = True; break`` where the loop drains the requests
+   self.admission_frozen: self.admission_deferred = True; break`` where the loop drains the requests
    that hold KV blocks first (0.31+; they are not held), ``if self.admission_frozen: ...`` before
    (0.24-0.30). It reads the value the mixin computed once for this step and records for the mixin
    that it stopped admission, as the shim's override of the seam does;
@@ -97,7 +97,7 @@ GATE_COMMENT = "# Phase 2A delta 2 (gate): a DP leader at the cap holds admissio
 DELTA_GATE = (
     GATE_COMMENT,
     "if self.admission_frozen:",
-    "    self.admission_held = True",
+    "    self.admission_deferred = True",
     "    break",
 )
 DELTA_GATE_FRESH = (

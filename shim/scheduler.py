@@ -49,7 +49,7 @@ class BalanceSchedulerMixin(RunningCountGather, _SchedulerBase):
         self._balance_metrics: BalanceMetrics | None = None
         self.dp_group: Any = None
         self.admission_frozen = False
-        self.admission_held = False  # this step's gate stopped a fresh admission
+        self.admission_deferred = False  # this step's gate stopped a fresh admission
         if options is not None:
             # Feature detection, not a version: the admission limit the WAITING loop stops at.
             self.balance_cap: int = getattr(self, "max_num_active_reqs", self.max_num_running_reqs)
@@ -81,8 +81,8 @@ class BalanceSchedulerMixin(RunningCountGather, _SchedulerBase):
         cadence (a hold is policy, not capacity: docs/design.md, Phase 2B, "a hold is not a
         capacity limit")."""
         capacity_bound = self.prefill_capacity_bound
-        output, self.admission_held = self._hold_and_schedule(throttle_prefills)
-        if self.admission_held:
+        output, self.admission_deferred = self._hold_and_schedule(throttle_prefills)
+        if self.admission_deferred:
             self.prefill_capacity_bound = capacity_bound
         return output
 
@@ -91,9 +91,9 @@ class BalanceSchedulerMixin(RunningCountGather, _SchedulerBase):
 
         Here the seam (or a gate inlined where the seam is called) holds and records it; a path
         that holds another way (the pause-state hold) overrides this."""
-        self.admission_held = False
+        self.admission_deferred = False
         output = self._upstream_schedule(throttle_prefills)
-        return output, self.admission_held
+        return output, self.admission_deferred
 
     def _upstream_schedule(self, throttle_prefills: bool) -> SchedulerOutput:
         return super().schedule(throttle_prefills)
@@ -111,7 +111,7 @@ class BalanceSchedulerMixin(RunningCountGather, _SchedulerBase):
         """The seam: called after upstream's own slot check, before a fresh request (0.31+:
         KV-holders drain first); records that the gate stopped one (docs/design.md, Phase 2B)."""
         if self.admission_frozen:
-            self.admission_held = True
+            self.admission_deferred = True
         return self.admission_frozen
 
 

@@ -54,14 +54,14 @@ def test_every_patch_is_reversible():
     for patch in registry.ALL_PATCHES:
         before = patch.current()
         patch.install()
-        assert patch.is_installed() and patch.current() is not before
+        assert patch.is_current() and patch.current() is not before
         patch.uninstall()
         assert patch.current() is before
 
 
 def test_every_patch_names_its_replacement_and_resolves_it_to_one_object():
     # Readable statically: "module:name", or a function the entry names the same way, never a
-    # placeholder another module fills in at import; resolved once (is_installed() compares it).
+    # placeholder another module fills in at import; resolved once (is_current() compares it).
     for patch in registry.ALL_PATCHES + registry.TAKE_OVER_PATCHES:
         named = patch.replacement
         assert isinstance(named, str) or named.__module__ == registry.__name__, patch.name
@@ -411,7 +411,7 @@ def test_next_to_vllm_ascends_patches_this_package_steps_aside(monkeypatch, capl
     try:
         with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
             assert activation.activate_for(dp_config()) is False
-        swapped = registry.DP_ENGINE_CORE_SWAP.is_installed()
+        swapped = registry.DP_ENGINE_CORE_SWAP.is_current()
     finally:
         # Ours first (it gives back vllm-ascend's wrapper and forgets it), then the stand-in's:
         # in the other order the registry would keep the wrapper as what it stands in front of.

@@ -68,7 +68,7 @@ def test_a_frozen_step_starts_no_async_load_and_admits_no_fresh_request(order):
     for request_id in ids:  # no blocks allocated: neither was admitted, no load started
         assert balance.requests[request_id].status.name == "WAITING"
         assert not balance.kv_cache_manager.get_block_ids(request_id)[0]
-    assert balance.admission_held
+    assert balance.admission_deferred
 
     factories.set_gathered(balance, [1, 0])  # open: exactly upstream's step
     opened, theirs = balance.schedule(), upstream.schedule()

@@ -8,7 +8,7 @@ whose KV comes from a remote store (async loads finishing a few steps later:
 ``WAITING_FOR_REMOTE_KVS``, then the KV-holding queue), structured-output requests waiting on
 their grammar, preemption (small KV caches) and aborts, under scripted gathered vectors that put
 a rank at the cap on some steps. Every step compares the whole observation (outputs, queues,
-per-request progress, free blocks) and the hold's own bookkeeping (``admission_held``,
+per-request progress, free blocks) and the hold's own bookkeeping (``admission_deferred``,
 ``prefill_capacity_bound``).
 
 Not generated: streaming-input sessions and the P/D decode side (balance refuses a KV consumer:
@@ -98,7 +98,7 @@ class Held(Side):
         if self.reference is None:
             return None
         ours, theirs = self.scheduler, self.reference.scheduler
-        for name in ("admission_frozen", "admission_held", "prefill_capacity_bound"):
+        for name in ("admission_frozen", "admission_deferred", "prefill_capacity_bound"):
             if getattr(ours, name) != getattr(theirs, name):
                 mine, theirs_value = getattr(ours, name), getattr(theirs, name)
                 return f"{name}: {mine} here, {theirs_value} in the reference"
@@ -108,7 +108,7 @@ class Held(Side):
         found = set()
         if self.scheduler.admission_frozen:
             found.add("frozen_step")
-            if self.scheduler.admission_held:
+            if self.scheduler.admission_deferred:
                 found.add("held_a_fresh_request")
             if any(r.req_id.startswith("kv-") for r in output.scheduled_new_reqs):
                 found.add("kv_holder_scheduled_while_frozen")

@@ -68,7 +68,7 @@ def check_restored_after_a_frozen_step(cls=None):
     scheduler = pause_state_scheduler(cls)
     factories.set_gathered(scheduler, [1, CAP])
     output = scheduler.schedule()
-    assert output.scheduled_new_reqs == [] and scheduler.admission_held
+    assert output.scheduled_new_reqs == [] and scheduler.admission_deferred
     assert scheduler.pause_state == PauseState.UNPAUSED
     assert scheduler.get_num_unfinished_requests() == 2  # as upstream counts outside the step
     factories.set_gathered(scheduler, [1, 0])

@@ -106,7 +106,7 @@ def test_plugin_wraps_the_api_servers_actor_manager_where_ray_is_installed(
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     registry.uninstall_all()
     plugin.register()
-    assert registry.RAY_ACTOR_MANAGER_WRAPPER.is_installed() is ray_installed
+    assert registry.RAY_ACTOR_MANAGER_WRAPPER.is_current() is ray_installed
     wrapped = CoreEngineActorManager.__init__ is activation.balance_actor_manager_init
     assert wrapped is ray_installed
 

@@ -32,7 +32,7 @@ from vllm_balance.config import (
     BalanceConfigError,
     BalanceOptions,
     additional_value,
-    balance_requested,
+    balance_mentioned,
     read_options,
 )
 from vllm_balance.log import logger
@@ -144,7 +144,7 @@ def decide(vllm_config: VllmConfig | None) -> BalanceDecision:
     """This process's decision, in the one order that is right; logs why not where balance is
     enabled but cannot act.
 
-    1. ``balance_requested``: a read that imports and initialises nothing; balance off stops here
+    1. ``balance_mentioned``: a read that imports and initialises nothing; balance off stops here
        (nothing imported, initialised, read further or swapped).
     2. ``prepare_vllm_ascend``: vllm-ascend's side effects (its platform patches, its
        ``AscendConfig``), before the config is read: ``read_options`` reads the enable key from
@@ -153,7 +153,7 @@ def decide(vllm_config: VllmConfig | None) -> BalanceDecision:
     3. ``read_options``, then ``balance_applies``: the options (a bad key is an error wherever
        balance is asked for) and the pure decision.
     """
-    if vllm_config is None or not balance_requested(vllm_config):
+    if vllm_config is None or not balance_mentioned(vllm_config):
         return NOT_REQUESTED
     foreign = prepare_vllm_ascend(vllm_config)
     decision = balance_applies(vllm_config, read_options(vllm_config), foreign)

@@ -129,7 +129,7 @@ def balance_enabled(vllm_config: VllmConfig) -> bool:
     return False
 
 
-def balance_requested(vllm_config: VllmConfig) -> bool:
+def balance_mentioned(vllm_config: VllmConfig) -> bool:
     """Whether anything asks for balance scheduling, read without importing or initialising
     anything: vllm-ascend's AscendConfig where it is already imported and initialised, the key in
     ``additional_config`` (either form, any value but ``false``: a bad value is then refused by

@@ -8,7 +8,7 @@ the one vLLM object this package changes with balance off, and the only one it m
 plugin runs before any config exists, and ``run_engine_core`` is the first code of an engine-core
 process that has the process's ``VllmConfig`` in hand (the DP engine-core class and the scheduler
 class are chosen after it). With balance off the wrapper passes straight through
-(``config.balance_requested``): nothing is read, imported, initialised or swapped.
+(``config.balance_mentioned``): nothing is read, imported, initialised or swapped.
 
 The API server decodes each engine's balance counters (``registry.STATS_DECODED_WITH_BALANCE``)
 only where ``VLLM_BALANCE_METRICS=1`` asks for it: it must be in place before vLLM builds its
@@ -40,7 +40,7 @@ def register() -> None:
     from vllm_balance.takeover import import_vllm_ascend_patches
 
     import_vllm_ascend_patches()
-    if not RUN_ENGINE_CORE_WRAPPER.in_place():
+    if not RUN_ENGINE_CORE_WRAPPER.is_applied():
         RUN_ENGINE_CORE_WRAPPER.install()
     if metrics_decoding_requested():
         STATS_DECODED_WITH_BALANCE.install()

@@ -34,7 +34,7 @@ _STATICS: dict[Any, staticmethod] = {}
 
 
 def _static(function: Any) -> staticmethod:
-    # One staticmethod object per function, so is_installed() can compare by identity.
+    # One staticmethod object per function, so is_current() can compare by identity.
     if isinstance(function, staticmethod):
         return function
     return _STATICS.setdefault(function, staticmethod(function))
@@ -56,7 +56,7 @@ class RuntimePatch:
 
     def resolved(self) -> Any:
         """The object install() puts there: the same object at every call while the state a
-        computed replacement reads holds (``is_installed()`` compares by identity)."""
+        computed replacement reads holds (``is_current()`` compares by identity)."""
         if self._resolved is None or self._resolved[0] is not self.replacement:
             named = self.replacement
             self._resolved = (named, resolve(named) if isinstance(named, str) else named)
@@ -68,11 +68,12 @@ class RuntimePatch:
     def current(self) -> Any:
         return self.owner().__dict__[self.attribute]
 
-    def is_installed(self) -> bool:
+    def is_current(self) -> bool:
+        """The attribute holds our replacement itself now (no other package has wrapped it)."""
         return self.current() is self.resolved()
 
     def install(self) -> None:
-        if self.is_installed():
+        if self.is_current():
             return
         self._original = self.current()
         setattr(self.owner(), self.attribute, self.resolved())
@@ -80,11 +81,11 @@ class RuntimePatch:
     def uninstall(self) -> None:
         # Only what install() put there: a take-over entry whose replacement is already in place
         # (nothing foreign to restore) was never installed and has nothing to give back.
-        if self._original is not None and self.is_installed():
+        if self._original is not None and self.is_current():
             setattr(self.owner(), self.attribute, self._original)
             self._original = None
 
-    def in_place(self) -> bool:
+    def is_applied(self) -> bool:
         """install() put the replacement there and nothing removed it; another package may have
         wrapped it since (then ``current()`` is theirs and calls ours)."""
         return self._original is not None
@@ -226,7 +227,7 @@ _DECODED_WITH_BALANCE: list[dict] = []
 def _annotations_with_balance_stats() -> dict:
     """``EngineCoreOutputs``' annotations with ``scheduler_stats: BalanceSchedulerStats | None``.
 
-    One object (``is_installed()`` compares by identity), made from upstream's at first use.
+    One object (``is_current()`` compares by identity), made from upstream's at first use.
     """
     if not _DECODED_WITH_BALANCE:
         from vllm_balance.shim.metrics import BalanceSchedulerStats

@@ -212,9 +212,9 @@ class StandInWorker:
         return {
             "dp_rank": self.dp_rank,
             "pid": os.getpid(),
-            "run_engine_core_wrapped": RUN_ENGINE_CORE_WRAPPER.is_installed(),
+            "run_engine_core_wrapped": RUN_ENGINE_CORE_WRAPPER.is_current(),
             "module_dp_engine_core": engine_core_module.DPEngineCoreProc.__name__,
-            "dp_engine_core_swapped": DP_ENGINE_CORE_SWAP.is_installed(),
+            "dp_engine_core_swapped": DP_ENGINE_CORE_SWAP.is_current(),
             "engine_core_cls": type(core).__name__ if core else None,
             "scheduler_cls": type(scheduler).__name__ if scheduler else None,
             "balance_queue": None if queue is None else [int(t.item()) for t in queue],
