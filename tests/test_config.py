@@ -57,11 +57,14 @@ def test_enable_key_sources(additional_config, expected):
 
 @pytest.mark.parametrize("value", ["yes", "true", 1, 1.5, ["true"], None])
 def test_non_boolean_value_is_a_clear_error_naming_key_and_value(value):
-    with pytest.raises(ValueError) as excinfo:
+    from vllm_balance.config import BalanceConfigError
+
+    with pytest.raises(BalanceConfigError) as excinfo:
         enabled_with({"enable_balance_scheduling": value})
     assert str(excinfo.value) == (
         f"additional_config.enable_balance_scheduling must be a boolean (JSON true or false), "
-        f"got {value!r} of type {type(value).__name__}"
+        f"got {value!r} of type {type(value).__name__}; "
+        'see docs/operations.md, "Configuration keys"'
     )
 
 
@@ -186,16 +189,49 @@ def test_non_boolean_ascend_config_value_is_a_clear_error(ascend_config, shape):
 
 def test_balance_keys_is_every_key_the_options_read():
     """The list a host config accepts on the package's behalf (vllm-ascend's carve-out) is the
-    package's key set: every ``balance_*`` key constant, each one read by ``balance_options``."""
-    import inspect
+    package's key set: every ``balance_*`` key constant, each filling one ``BalanceOptions``
+    field, every field filled by one key."""
+    import dataclasses
 
     from vllm_balance import config
 
     keys = {k: v for k, v in vars(config).items() if k.endswith("_KEY") and isinstance(v, str)}
-    ours = {name: key for name, key in keys.items() if key.startswith("balance_")}
-    assert set(config.BALANCE_KEYS) == set(ours.values())
-    source = inspect.getsource(config.balance_options)
-    assert all(name in source for name in ours)
+    ours = {key for key in keys.values() if key.startswith("balance_")}
+    assert set(config.BALANCE_KEYS) == ours
+    fields = [field.name for field in dataclasses.fields(config.BalanceOptions)]
+    assert sorted(key.field for key in config.TUNING_KEYS) == sorted(fields)
+
+
+def documented_keys() -> list[tuple[str, str, str]]:
+    """(key, type, default) of each row of docs/operations.md's "Configuration keys" table."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    section = text.split("## Configuration keys", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    cells = [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows]
+    return [(key.strip("`"), type_cell, default) for key, type_cell, default, *_ in cells]
+
+
+def test_the_docs_key_table_is_the_model():
+    """The operations guide's key table lists the model's keys in its order, each with the
+    type and default the model parses (one place decides; the table cannot drift from it)."""
+    from vllm_balance import config
+
+    expected = [(config.ENABLE_KEY, "bool", "`false`")]
+    expected += [(k.name, k.type_cell, k.default_cell) for k in config.TUNING_KEYS]
+    assert documented_keys() == expected
+
+
+def test_the_model_defaults_are_the_documented_ones():
+    """What an unset key gives is what its Default cell says (unset: None)."""
+    from vllm_balance import config
+
+    defaults = config.BalanceOptions()
+    for key in config.TUNING_KEYS:
+        cell = key.default_cell.strip("`")
+        documented = None if cell == "unset" else key.parse(json.loads(cell))
+        assert getattr(defaults, key.field) == documented, key.name
 
 
 def _read(additional_config: dict):

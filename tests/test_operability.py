@@ -88,9 +88,13 @@ NEED_BOUND = "must be an integer >= 1 (or unset for no bound)"
     ],
 )
 def test_bad_tuning_values_are_clear_errors_naming_the_key(key, value, message):
-    with pytest.raises(ValueError) as excinfo:
+    from vllm_balance.config import BalanceConfigError
+
+    with pytest.raises(BalanceConfigError) as excinfo:
         options_of({key: value})
-    assert str(excinfo.value).startswith(f"additional_config.{key} {message}")
+    line = str(excinfo.value)
+    assert line.startswith(f"additional_config.{key} {message}") and "\n" not in line
+    assert line.endswith('see docs/operations.md, "Configuration keys"')
 
 
 # Counters and the log line

@@ -20,6 +20,7 @@ import difflib
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,14 +34,21 @@ DEPRECATED_ENV_VAR = "VLLM_ASCEND_BALANCE_SCHEDULING"
 _ENV_TRUE = {"1", "true"}
 _ENV_FALSE = {"0", "false", ""}
 _UNSET = object()
+KEYS_DOCS = 'docs/operations.md, "Configuration keys"'
+
+
+class BalanceConfigError(ValueError):
+    """A configuration that enables balance scheduling but cannot honour it, or a key meant for
+    this package that it does not define or a value it cannot take: one line that names the key
+    and the fix."""
 
 
 def _checked_bool(where: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
-    raise ValueError(
+    raise BalanceConfigError(
         f"{where} must be a boolean (JSON true or false), got {value!r} "
-        f"of type {type(value).__name__}"
+        f"of type {type(value).__name__}; see {KEYS_DOCS}"
     )
 
 
@@ -163,27 +171,100 @@ COLLECTIVE_KEY = "balance_collective"
 ALL_GATHER = "all_gather"
 RECURSIVE_DOUBLING = "recursive_doubling"
 COLLECTIVES = (ALL_GATHER, RECURSIVE_DOUBLING)
+DEFAULT_LOG_INTERVAL_S = 10.0
+DEFAULT_GATHER_WARN_S = 5.0
+
+
+_INVALID = object()
+
+
+def _seconds(value: Any) -> Any:
+    """A finite number of seconds >= 0; 0 means off (None)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0:
+        return _INVALID
+    return float(value) or None
+
+
+def _bound(value: Any) -> Any:
+    if value is None:
+        return None
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    return value if whole and value >= 1 else _INVALID
+
+
+def _boolean(value: Any) -> Any:
+    return value if isinstance(value, bool) else _INVALID
+
+
+def _collective(value: Any) -> Any:
+    return value if isinstance(value, str) and value in COLLECTIVES else _INVALID
+
+
+@dataclass(frozen=True)
+class TuningKey:
+    """One tuning key of ``additional_config``: the ``BalanceOptions`` field it fills, what a
+    value must be (the error's words), its parser (``_INVALID`` for a bad value) and the docs
+    table's Type and Default cells, which tests/test_config.py checks against the table."""
+
+    name: str
+    field: str
+    must_be: str
+    parse: Callable[[Any], Any]
+    type_cell: str
+    default_cell: str
+
+
+SECONDS = "a number of seconds >= 0"
+TUNING_KEYS = (
+    TuningKey(
+        name=LOG_INTERVAL_KEY,
+        field="log_interval_s",
+        must_be=f"{SECONDS} (0 turns the log line off)",
+        parse=_seconds,
+        type_cell="number >= 0",
+        default_cell="`10`",
+    ),
+    TuningKey(
+        name=MAX_FROZEN_STEPS_KEY,
+        field="max_frozen_steps",
+        must_be="an integer >= 1 (or unset for no bound)",
+        parse=_bound,
+        type_cell="int >= 1",
+        default_cell="unset",
+    ),
+    TuningKey(
+        name=TAKE_OVER_KEY,
+        field="take_over_vllm_ascend",
+        must_be="a boolean (JSON true or false)",
+        parse=_boolean,
+        type_cell="bool",
+        default_cell="`false`",
+    ),
+    TuningKey(
+        name=GATHER_WARN_KEY,
+        field="gather_warn_s",
+        must_be=f"{SECONDS} (0 turns the gather watchdog off)",
+        parse=_seconds,
+        type_cell="number >= 0",
+        default_cell="`5`",
+    ),
+    TuningKey(
+        name=COLLECTIVE_KEY,
+        field="collective",
+        must_be=f"one of {', '.join(COLLECTIVES)}",
+        parse=_collective,
+        type_cell=" or ".join(f'`"{name}"`' for name in COLLECTIVES),
+        default_cell=f'`"{ALL_GATHER}"`',
+    ),
+)
 # The package's own additional_config keys besides the enable key, top level or nested under
 # scheduler_config: the explicit list a host config that rejects unknown keys (vllm-ascend's
 # AscendConfig, extra="forbid") accepts on this package's behalf while it is installed; a
 # documented entry point (docs/operations.md, "Configuration keys"): any other balance_* key is a
 # typo there.
-BALANCE_KEYS = (
-    LOG_INTERVAL_KEY,
-    MAX_FROZEN_STEPS_KEY,
-    TAKE_OVER_KEY,
-    GATHER_WARN_KEY,
-    COLLECTIVE_KEY,
-)
+BALANCE_KEYS = tuple(key.name for key in TUNING_KEYS)
 KNOWN_KEYS = (ENABLE_KEY, *BALANCE_KEYS)
-KEYS_DOCS = 'docs/operations.md, "Configuration keys"'
-DEFAULT_LOG_INTERVAL_S = 10.0
-DEFAULT_GATHER_WARN_S = 5.0
-
-
-class BalanceConfigError(ValueError):
-    """A configuration that enables balance scheduling but cannot honour it, or a key meant for
-    this package that it does not define: one line that names the key and the fix."""
 
 
 def _looks_like_ours(key: object) -> bool:
@@ -243,50 +324,20 @@ def _take_over_from_env() -> bool:
     return False if value is _UNSET else value
 
 
-def _seconds_or_off(
-    vllm_config: VllmConfig, key: str, default: float, zero_means: str
-) -> float | None:
-    """A finite number of seconds >= 0 from ``key``; 0 means off (``None``)."""
-    where, value = additional_value(vllm_config, key)
-    if value is _UNSET:
-        value = default
-    elif (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ValueError(f"{where} must be a number of seconds >= 0 ({zero_means}), got {value!r}")
-    return float(value) or None
-
-
 def balance_options(vllm_config: VllmConfig) -> BalanceOptions:
     """The tuning keys, each checked (``read_options``' second part, after the enable key)."""
-    interval = _seconds_or_off(
-        vllm_config, LOG_INTERVAL_KEY, DEFAULT_LOG_INTERVAL_S, "0 turns the log line off"
-    )
-    gather_warn = _seconds_or_off(
-        vllm_config, GATHER_WARN_KEY, DEFAULT_GATHER_WARN_S, "0 turns the gather watchdog off"
-    )
-    where, bound = additional_value(vllm_config, MAX_FROZEN_STEPS_KEY)
-    if bound is _UNSET or bound is None:
-        bound = None
-    elif isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
-        raise ValueError(f"{where} must be an integer >= 1 (or unset for no bound), got {bound!r}")
-    where, take_over = additional_value(vllm_config, TAKE_OVER_KEY)
-    take_over = _take_over_from_env() if take_over is _UNSET else _checked_bool(where, take_over)
-    where, collective = additional_value(vllm_config, COLLECTIVE_KEY)
-    if collective is _UNSET:
-        collective = ALL_GATHER
-    elif collective not in COLLECTIVES:
-        raise ValueError(f"{where} must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
-    return BalanceOptions(
-        log_interval_s=interval,
-        max_frozen_steps=bound,
-        take_over_vllm_ascend=take_over,
-        gather_warn_s=gather_warn,
-        collective=collective,
-    )
+    values: dict[str, Any] = {"take_over_vllm_ascend": _take_over_from_env()}
+    for key in TUNING_KEYS:
+        where, value = additional_value(vllm_config, key.name)
+        if value is _UNSET:
+            continue
+        parsed = key.parse(value)
+        if parsed is _INVALID:
+            raise BalanceConfigError(
+                f"{where} must be {key.must_be}, got {value!r}; see {KEYS_DOCS}"
+            )
+        values[key.field] = parsed
+    return BalanceOptions(**values)
 
 
 def read_options(vllm_config: VllmConfig) -> BalanceOptions | None:
