@@ -21,6 +21,7 @@ import vllm_balance
 from balance_testbed import factories
 from balance_testbed.engine_probe import HandshakeProbe, install_probe, launch_engine_core
 from vllm_balance import activation, plugin, registry
+from vllm_balance.ascend import takeover
 from vllm_balance.config import DEPRECATED_ENV_VAR
 from vllm_balance.log import LOGGER_NAME
 from vllm_balance.shim.engine_core import BalanceDPEngineCoreProc
@@ -62,7 +63,9 @@ def test_every_patch_is_reversible():
 def test_every_patch_names_its_replacement_and_resolves_it_to_one_object():
     # Readable statically: "module:name", or a function the entry names the same way, never a
     # placeholder another module fills in at import; resolved once (is_current() compares it).
-    for patch in registry.ALL_PATCHES + registry.TAKE_OVER_PATCHES:
+    from vllm_balance.ascend.patches import TAKE_OVER_PATCHES
+
+    for patch in registry.ALL_PATCHES + TAKE_OVER_PATCHES:
         named = patch.replacement
         assert isinstance(named, str) or named.__module__ == registry.__name__, patch.name
         assert patch.resolved() is patch.resolved(), patch.name
@@ -492,9 +495,9 @@ def test_vllm_ascend_balance_patch_active_is_left_to_run(monkeypatch, caplog, sh
 def test_take_over_is_refused_where_vllm_ascend_copies_no_schedule(monkeypatch):
     """The take-over replaces a copy of schedule(); a vllm-ascend holding on PAUSED_NEW has none."""
     _as_vllm_ascends(monkeypatch, _AscendCopy)
-    assert activation.vllm_ascend_copies_schedule()
+    assert takeover.vllm_ascend_copies_schedule()
     _as_vllm_ascends(monkeypatch, _AscendPauseState)
-    assert not activation.vllm_ascend_copies_schedule()
+    assert not takeover.vllm_ascend_copies_schedule()
     monkeypatch.setenv("VLLM_BALANCE_TAKE_OVER_VLLM_ASCEND", "1")
     with pytest.raises(ValueError, match=r"copies no schedule\(\).*nothing to take over"):
         activation.activate_for(dp_config())

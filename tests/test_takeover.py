@@ -1,4 +1,4 @@
-"""Take-over mode: this package next to vllm-ascend's own balance patch (vllm_balance/takeover.py).
+"""Take-over mode: this package next to vllm-ascend's own balance patch (vllm_balance/ascend/).
 
 Run against vllm-ascend's own released source (``balance_testbed.vllm_ascend_standin``: the
 release of ``pins/vllm-ascend.txt`` that targets the installed vLLM; elsewhere these tests skip

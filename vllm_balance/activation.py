@@ -25,13 +25,11 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm_balance.ascend import takeover
 from vllm_balance.config import (
     ENABLE_KEY,
-    TAKE_OVER_ENV_VAR,
-    TAKE_OVER_KEY,
     BalanceConfigError,
     BalanceOptions,
-    additional_value,
     balance_mentioned,
     read_options,
 )
@@ -41,14 +39,6 @@ from vllm_balance.registry import (
     RAY_ACTOR_MANAGER_WRAPPER,
     RAY_ACTOR_SWAP,
     RUN_ENGINE_CORE_WRAPPER,
-)
-from vllm_balance.takeover import (
-    LOST_WITH_THE_TAKE_OVER,
-    TakeOverError,
-    foreign_balance_patches,
-    prepare_vllm_ascend,
-    take_over,
-    vllm_ascend_copies_schedule,
 )
 
 if TYPE_CHECKING:
@@ -110,32 +100,12 @@ def balance_applies(
             "balance scheduling supports PD-mixed mode only; kv_transfer_config.kv_role="
             f"{role!r} (PD-disaggregated) cannot enable {ENABLE_KEY}"
         )
-    if foreign and not options.take_over_vllm_ascend:
-        # Theirs runs as they ship it: two gates would gather twice per step and disagree.
-        return BalanceDecision(
-            True,
-            "balance scheduling is already patched in by vllm-ascend ("
-            + "; ".join(foreign)
-            + "): vllm-ascend's own balance scheduling runs and this package installs nothing. "
-            f"To run this package instead where vllm-ascend still ships a copy of schedule(), set "
-            f"{TAKE_OVER_ENV_VAR}=1 (docs/operations.md, 'With vllm-ascend on Ascend')",
-        )
-    if foreign and not vllm_ascend_copies_schedule():
-        raise TakeOverError(
-            f"{TAKE_OVER_KEY}: vllm-ascend's BalanceScheduler copies no schedule() (it holds a "
-            "frozen step on vLLM's own PauseState.PAUSED_NEW), so there is nothing to take over; "
-            f"unset {TAKE_OVER_ENV_VAR} / {TAKE_OVER_KEY}"
-        )
+    steps_aside = takeover.next_to_vllm_ascend(vllm_config, options, foreign)
+    if steps_aside is not None:
+        return BalanceDecision(True, steps_aside)
     refusal = fault_tolerance_refusal(parallel_config)
     if refusal is not None:
         raise BalanceConfigError(refusal)
-    for key, lost in LOST_WITH_THE_TAKE_OVER.items() if foreign else ():
-        _, value = additional_value(vllm_config, key)  # vllm-ascend's <key>.enabled
-        if isinstance(value, dict) and value.get("enabled") is True:
-            raise TakeOverError(
-                f"{TAKE_OVER_KEY} cannot keep vllm-ascend's {key}: vllm-ascend {lost} that the "
-                f"take-over removes. Disable {key} or the take-over"
-            )
     reason = f"DP={parallel_config.data_parallel_size}, MoE, PD-mixed"
     return BalanceDecision(True, reason, options, tuple(foreign))
 
@@ -155,7 +125,7 @@ def decide(vllm_config: VllmConfig | None) -> BalanceDecision:
     """
     if vllm_config is None or not balance_mentioned(vllm_config):
         return NOT_REQUESTED
-    foreign = prepare_vllm_ascend(vllm_config)
+    foreign = takeover.prepare_vllm_ascend(vllm_config)
     decision = balance_applies(vllm_config, read_options(vllm_config), foreign)
     if decision.enabled and not decision.active:
         logger.warning("%s", decision.reason)
@@ -253,7 +223,7 @@ def activate_for(
             DP_ENGINE_CORE_SWAP.uninstall()
         return False
     assert vllm_config is not None  # decided active on it
-    _take_over_if_requested(decision.options, list(decision.foreign))
+    takeover.take_over_if_requested(decision.options, list(decision.foreign))
     scheduler_cls = select_scheduler_cls(vllm_config)
     if engine_core is None:
         DP_ENGINE_CORE_SWAP.install()
@@ -279,25 +249,6 @@ def activate_for(
 
     logger.info("%s", export_status(log_stats))
     return True
-
-
-def _take_over_if_requested(options: BalanceOptions, foreign: list[str]) -> None:
-    """Take-over mode (vllm_balance.takeover): balance_applies() let foreign patches through."""
-    if not foreign:
-        if options.take_over_vllm_ascend:
-            logger.warning(
-                "%s (or %s) is set but vllm-ascend's balance patch is not active in this "
-                "process: nothing to take over (remove it)",
-                TAKE_OVER_KEY,
-                TAKE_OVER_ENV_VAR,
-            )
-        return
-    take_over(foreign)
-    left = foreign_balance_patches()
-    if left:
-        raise BalanceConfigError(
-            "balance scheduling could not take over from vllm-ascend: " + "; ".join(left)
-        )
 
 
 def balance_run_engine_core(*args: Any, dp_rank: int = 0, local_dp_rank: int = 0, **kwargs: Any):

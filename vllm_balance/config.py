@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm_balance.ascend import source as ascend_source
 from vllm_balance.log import logger
 
 if TYPE_CHECKING:
@@ -61,19 +62,8 @@ def _additional_config(vllm_config: VllmConfig) -> dict:
 
 def _from_ascend_config() -> Any:
     """vllm-ascend's parsed value, or _UNSET where vllm-ascend is absent or not initialised."""
-    try:
-        from vllm_ascend.ascend_config import get_ascend_config  # optional: Ascend hosts only
-    except ImportError:
-        return _UNSET
-    try:
-        ascend_config = get_ascend_config()
-    except Exception:  # not initialised yet in this process: fall back to additional_config
-        return _UNSET
-    value = getattr(ascend_config, ENABLE_KEY, _UNSET)
-    if value is _UNSET:
-        scheduler_config = getattr(ascend_config, "scheduler_config", None)
-        value = getattr(scheduler_config, ENABLE_KEY, _UNSET)
-    return value
+    found, value = ascend_source.enable_value(ENABLE_KEY)
+    return value if found else _UNSET
 
 
 def additional_value(vllm_config: VllmConfig, key: str) -> tuple[str, Any]:
@@ -303,7 +293,7 @@ class BalanceOptions:
     # step on all ranks. None (the default) is exactly the contract: no bound.
     max_frozen_steps: int | None = None
     # Opt-in take-over: where vllm-ascend's own balance patch is active, restore the vLLM names
-    # it replaced and run this package instead (vllm_balance.takeover). Off: refuse, as always.
+    # it replaced and run this package instead (vllm_balance.ascend.takeover). Off: step aside.
     # The key, else the environment variable (vllm-ascend >= 0.27.1rc1 refuses unknown keys).
     take_over_vllm_ascend: bool = False
     # Seconds one gather may wait before the gather watchdog logs an error; None turns the

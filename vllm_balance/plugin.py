@@ -30,6 +30,7 @@ from vllm_balance.log import logger
 
 
 def register() -> None:
+    from vllm_balance.ascend.takeover import import_vllm_ascend_patches
     from vllm_balance.config import metrics_decoding_requested
     from vllm_balance.registry import (
         RAY_ACTOR_MANAGER_WRAPPER,
@@ -37,7 +38,6 @@ def register() -> None:
         STATS_DECODED_WITH_BALANCE,
         ray_backend_present,
     )
-    from vllm_balance.takeover import import_vllm_ascend_patches
 
     import_vllm_ascend_patches()
     if not RUN_ENGINE_CORE_WRAPPER.is_applied():

@@ -7,14 +7,13 @@ Scheduler classes are not patched: they are chosen per engine process through
 ``scheduler_config.scheduler_cls`` (see ``vllm_balance.activation``).
 
 Each entry names what it installs: ``"module:name"``, imported when the entry is first installed
-or compared (so this module imports nothing of the package, and ``activation`` / ``takeover`` may
+or compared (so this module imports nothing of the package, and ``activation`` / ``ascend`` may
 import it), or the object itself. ``computed=True``: the name is a function that returns the
 object, built from what the entry stands in front of. ``static=True``: installed as a
 staticmethod. Nothing assigns an entry's replacement at import.
 
-``TAKE_OVER_PATCHES`` are installed only in take-over mode (``vllm_balance.takeover``): they put
-back the vLLM objects that vllm-ascend's own balance patch replaced, before this package's own
-patches go on top; ``uninstall_all()`` removes ours first, then gives vllm-ascend its names back.
+The take-over's entries, which put back the vLLM objects vllm-ascend's own balance patch
+replaced, live with the rest of vllm-ascend's handling in ``vllm_balance/ascend/patches.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ def resolve(name: str) -> Any:
 
 
 _STATICS: dict[Any, staticmethod] = {}
+_INSTALLED: list[RuntimePatch] = []  # in install order, for uninstall_all()
 
 
 def _static(function: Any) -> staticmethod:
@@ -77,6 +77,8 @@ class RuntimePatch:
             return
         self._original = self.current()
         setattr(self.owner(), self.attribute, self.resolved())
+        if self not in _INSTALLED:
+            _INSTALLED.append(self)
 
     def uninstall(self) -> None:
         # Only what install() put there: a take-over entry whose replacement is already in place
@@ -84,6 +86,7 @@ class RuntimePatch:
         if self._original is not None and self.is_current():
             setattr(self.owner(), self.attribute, self._original)
             self._original = None
+            _INSTALLED.remove(self)
 
     def is_applied(self) -> bool:
         """install() put the replacement there and nothing removed it; another package may have
@@ -101,7 +104,7 @@ class RuntimePatch:
         return value.__func__ if isinstance(value, staticmethod) else value
 
 
-def _engine_core_proc() -> Any:
+def engine_core_proc() -> Any:
     from vllm.v1.engine.core import EngineCoreProc
 
     return EngineCoreProc
@@ -129,7 +132,7 @@ def engine_core_module() -> Any:
 #     hook
 RUN_ENGINE_CORE_WRAPPER = RuntimePatch(
     name="EngineCoreProc.run_engine_core",
-    owner=_engine_core_proc,
+    owner=engine_core_proc,
     attribute="run_engine_core",
     replacement="vllm_balance.activation:balance_run_engine_core",
     static=True,
@@ -273,91 +276,8 @@ ALL_PATCHES: tuple[RuntimePatch, ...] = (
 )
 
 
-def scheduler_module() -> Any:
-    import vllm.v1.core.sched.scheduler
-
-    return vllm.v1.core.sched.scheduler
-
-
-def async_scheduler_module() -> Any:
-    # Imported here at the earliest after TAKE_OVER_SCHEDULER: a first import then binds vLLM's
-    # own Scheduler as AsyncScheduler's base, and there is nothing to rebuild.
-    import vllm.v1.core.sched.async_scheduler
-
-    return vllm.v1.core.sched.async_scheduler
-
-
-# The take-over entries (vllm_balance.takeover) put back what vllm-ascend replaced. For all four
-# (AsyncScheduler adds a Why of its own):
-#   Why:
-#     vllm-ascend's patch_balance_schedule.py (and DyntraLB's wrapper on top of it) replaces this
-#     name at import, unconditionally, in every process that applies vllm-ascend's platform patches;
-#     two balance implementations in one engine core gather twice per step
-#   Related PR:
-#     vllm-ascend: upstream_patch/vllm-ascend/ (patch_balance_schedule.py delegates to this package
-#     instead of swapping names)
-#   Future Plan:
-#     delete with vllm_balance/takeover.py once vllm-ascend delegates
-
-# vllm.v1.core.sched.scheduler.Scheduler (take-over)
-#   How:
-#     vLLM's own Scheduler (the vLLM class in the swapped class's MRO) put back
-TAKE_OVER_SCHEDULER = RuntimePatch(
-    name="vllm.v1.core.sched.scheduler.Scheduler (take-over)",
-    owner=scheduler_module,
-    attribute="Scheduler",
-    replacement="vllm_balance.takeover:vllm_scheduler",
-    computed=True,
-)
-
-# vllm.v1.core.sched.async_scheduler.AsyncScheduler (take-over)
-#   Why:
-#     AsyncScheduler binds Scheduler when its module is first imported; imported after vllm-ascend's
-#     swap (its platform imports recompute_scheduler, which imports it), its base is vllm-ascend's
-#     BalanceScheduler and the schedule() copy sits in its MRO
-#   How:
-#     when the class has a vllm-ascend class in its MRO: the module's code executed again (not
-#     re-imported) with vLLM's Scheduler back in place, its AsyncScheduler put back
-TAKE_OVER_ASYNC_SCHEDULER = RuntimePatch(
-    name="vllm.v1.core.sched.async_scheduler.AsyncScheduler (take-over)",
-    owner=async_scheduler_module,
-    attribute="AsyncScheduler",
-    replacement="vllm_balance.takeover:vllm_async_scheduler",
-    computed=True,
-)
-
-# vllm.v1.engine.core.DPEngineCoreProc (take-over)
-#   How:
-#     vLLM's own DPEngineCoreProc (the vLLM class in the swapped class's MRO) put back
-TAKE_OVER_DP_ENGINE_CORE = RuntimePatch(
-    name="vllm.v1.engine.core.DPEngineCoreProc (take-over)",
-    owner=engine_core_module,
-    attribute="DPEngineCoreProc",
-    replacement="vllm_balance.takeover:vllm_dp_engine_core",
-    computed=True,
-)
-
-# EngineCoreProc.run_engine_core (take-over)
-#   How:
-#     vLLM's own function (found by walking the wrappers) put back as the staticmethod
-TAKE_OVER_RUN_ENGINE_CORE = RuntimePatch(
-    name="EngineCoreProc.run_engine_core (take-over)",
-    owner=_engine_core_proc,
-    attribute="run_engine_core",
-    replacement="vllm_balance.takeover:vllm_run_engine_core",
-    computed=True,
-    static=True,
-)
-
-# Install order: Scheduler before AsyncScheduler (the rebuild needs vLLM's Scheduler in place).
-TAKE_OVER_PATCHES: tuple[RuntimePatch, ...] = (
-    TAKE_OVER_SCHEDULER,
-    TAKE_OVER_ASYNC_SCHEDULER,
-    TAKE_OVER_DP_ENGINE_CORE,
-    TAKE_OVER_RUN_ENGINE_CORE,
-)
-
-
 def uninstall_all() -> None:
-    for patch in reversed(TAKE_OVER_PATCHES + ALL_PATCHES):
+    """Every installed patch removed, the last installed first (what it replaced is then in
+    place: ours come off before the take-over gives vllm-ascend its names back)."""
+    for patch in reversed(list(_INSTALLED)):
         patch.uninstall()

@@ -9,11 +9,11 @@ of v0.24.0's ``schedule()``) and wraps ``EngineCoreProc.run_engine_core`` (the w
 vllm-ascend offers no switch to leave them out.
 
 Without ``balance_take_over_vllm_ascend`` this package steps aside next to it: vllm-ascend's
-balance runs as it ships it and this package installs nothing (``vllm_balance.activation``); its
+balance runs as it ships it and this package installs nothing (``next_to_vllm_ascend``); its
 ShortRequestFirst and DyntraLB are then untouched. With it, where vllm-ascend still ships a copy of
 ``schedule()`` (``vllm_ascend_copies_schedule``; a vllm-ascend whose ``BalanceScheduler`` holds on
 vLLM's ``PAUSED_NEW`` has nothing this mode would fix, and it is refused), the engine-core process
-gets vLLM's own objects back through ``registry.TAKE_OVER_PATCHES`` (reversible; their
+gets vLLM's own objects back through ``patches.TAKE_OVER_PATCHES`` (reversible; their
 replacements are the ``vllm_*`` functions below) before this package activates as it does
 anywhere else. vLLM's objects are found from what replaced them or from vLLM's own source, never
 from vllm-ascend's private names: a swapped class still has vLLM's class in its MRO; vLLM's
@@ -44,9 +44,20 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from vllm_balance import registry
-from vllm_balance.config import TAKE_OVER_KEY
+from vllm_balance.ascend.patches import (
+    TAKE_OVER_PATCHES,
+    async_scheduler_module,
+    scheduler_module,
+)
+from vllm_balance.config import (
+    TAKE_OVER_ENV_VAR,
+    TAKE_OVER_KEY,
+    BalanceConfigError,
+    BalanceOptions,
+    additional_value,
+)
 from vllm_balance.log import logger
-from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER, TAKE_OVER_PATCHES
+from vllm_balance.registry import RUN_ENGINE_CORE_WRAPPER
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -182,10 +193,9 @@ def foreign_balance_patches() -> list[str]:
     globals); a wrapper that called ours has already run, and what it swapped shows in the two
     class names.
     """
-    scheduler_module = registry.scheduler_module()
     core_module = registry.engine_core_module()
     candidates = {
-        "vllm.v1.core.sched.scheduler.Scheduler": scheduler_module.Scheduler,
+        "vllm.v1.core.sched.scheduler.Scheduler": scheduler_module().Scheduler,
         "vllm.v1.engine.core.DPEngineCoreProc": core_module.DPEngineCoreProc,
         "EngineCoreProc.run_engine_core": RUN_ENGINE_CORE_WRAPPER.upstream(),
     }
@@ -205,7 +215,7 @@ def vllm_ascend_copies_schedule() -> bool:
     import inspect
     import textwrap
 
-    cls = registry.scheduler_module().Scheduler
+    cls = scheduler_module().Scheduler
     if not is_vllm_ascend(cls):
         return True
     owner = next(c for c in cls.__mro__ if "schedule" in vars(c))
@@ -257,6 +267,58 @@ def init_vllm_ascend_config(vllm_config: VllmConfig) -> None:
     module.init_ascend_config(vllm_config)
 
 
+def next_to_vllm_ascend(
+    vllm_config: VllmConfig, options: BalanceOptions, foreign: list[str]
+) -> str | None:
+    """Why this package steps aside where vllm-ascend's balance patch is active (``foreign``)
+    and no take-over is asked for; None where nothing is foreign or the take-over proceeds.
+    Raises ``TakeOverError`` for a take-over that would fix nothing or lose a feature."""
+    if not foreign:
+        return None
+    if not options.take_over_vllm_ascend:
+        # Theirs runs as they ship it: two gates would gather twice per step and disagree.
+        return (
+            "balance scheduling is already patched in by vllm-ascend ("
+            + "; ".join(foreign)
+            + "): vllm-ascend's own balance scheduling runs and this package installs nothing. "
+            f"To run this package instead where vllm-ascend still ships a copy of schedule(), set "
+            f"{TAKE_OVER_ENV_VAR}=1 (docs/operations.md, 'With vllm-ascend on Ascend')"
+        )
+    if not vllm_ascend_copies_schedule():
+        raise TakeOverError(
+            f"{TAKE_OVER_KEY}: vllm-ascend's BalanceScheduler copies no schedule() (it holds a "
+            "frozen step on vLLM's own PauseState.PAUSED_NEW), so there is nothing to take over; "
+            f"unset {TAKE_OVER_ENV_VAR} / {TAKE_OVER_KEY}"
+        )
+    for key, lost in LOST_WITH_THE_TAKE_OVER.items():
+        _, value = additional_value(vllm_config, key)  # vllm-ascend's <key>.enabled
+        if isinstance(value, dict) and value.get("enabled") is True:
+            raise TakeOverError(
+                f"{TAKE_OVER_KEY} cannot keep vllm-ascend's {key}: vllm-ascend {lost} that the "
+                f"take-over removes. Disable {key} or the take-over"
+            )
+    return None
+
+
+def take_over_if_requested(options: BalanceOptions, foreign: list[str]) -> None:
+    """Take-over mode: the decision (``next_to_vllm_ascend``) let foreign patches through."""
+    if not foreign:
+        if options.take_over_vllm_ascend:
+            logger.warning(
+                "%s (or %s) is set but vllm-ascend's balance patch is not active in this "
+                "process: nothing to take over (remove it)",
+                TAKE_OVER_KEY,
+                TAKE_OVER_ENV_VAR,
+            )
+        return
+    take_over(foreign)
+    left = foreign_balance_patches()
+    if left:
+        raise BalanceConfigError(
+            "balance scheduling could not take over from vllm-ascend: " + "; ".join(left)
+        )
+
+
 def take_over(foreign: list[str]) -> None:
     """Give vLLM its objects back (reversibly) and put our wrapper on top; log one line.
 
@@ -278,17 +340,17 @@ def take_over(foreign: list[str]) -> None:
     )
 
 
-# The take-over entries' replacements (registry.TAKE_OVER_PATCHES), each the same object at every
+# The take-over entries' replacements (TAKE_OVER_PATCHES), each the same object at every
 # call while vLLM's names hold what they hold.
 
 
 def vllm_scheduler() -> type:
-    module = registry.scheduler_module()
+    module = scheduler_module()
     return vllm_class(module.Scheduler, module.__name__, "Scheduler")
 
 
 def vllm_async_scheduler() -> type:
-    return clean_async_scheduler(registry.async_scheduler_module().AsyncScheduler)
+    return clean_async_scheduler(async_scheduler_module().AsyncScheduler)
 
 
 def vllm_dp_engine_core() -> type:
