@@ -3,11 +3,12 @@ of the e2e tests shares (the vLLM server, ``balance_testbed.server``; the local 
 ``tests/e2e/ray_backend.py``).
 
 Why a session of its own: whatever the child spawns (vLLM's engine cores and workers, Ray's
-raylet and actors, multiprocessing's resource tracker) inherits it, so ``/proc`` finds every
-descendant by session id, without trusting a process group or a name. Each one seen is kept as
-(PID, start time): one that later leaves the session is still ours, and a PID the kernel has
-reused for another process is not. The stop is an operator's: SIGTERM to the child, a bounded
-wait for its whole session, then SIGKILL by PID of what is left, reported in ``stop_report``.
+raylet and actors, multiprocessing's resource tracker) inherits it, so every descendant is found
+by session id, without trusting a process group or a name. Each one seen is kept (a
+``psutil.Process``, which holds its start time): one that later leaves the session is still ours,
+and a PID the kernel has reused for another process is not. The stop is an operator's: SIGTERM to
+the child, a bounded wait for its whole session, then SIGKILL by PID of what is left, reported in
+``stop_report``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+
+import psutil
 
 # vLLM's own graceful shutdown takes a few seconds (``ray start``'s too); after this the rest of
 # the session is SIGKILLed.
@@ -33,43 +36,38 @@ class ServerError(RuntimeError):
 def process_name(pid: int) -> str:
     """vLLM's process title ("VLLM::EngineCore_DP0", ...) or the command line's start."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline()).strip()[:80]
+    except psutil.Error:
         return "?"
-    return cmdline.strip()[:80]
 
 
 def session_pids(sid: int) -> list[int]:
     """Every process of session ``sid`` (zombies included)."""
     pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == sid:
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) == sid:
+                pids.append(pid)
+        except OSError:
+            continue
     return sorted(pids)
 
 
-def _stat_fields(pid: int) -> list[str] | None:
+def identity(pid: int) -> psutil.Process | None:
+    """The process now at ``pid``; psutil keeps its start time, so a PID the kernel reuses for
+    another process is not mistaken for ours (``running``)."""
     try:
-        # The command name may contain spaces and parentheses: split after the last ")".
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        return psutil.Process(pid)
+    except psutil.Error:
         return None
 
 
-def identity(pid: int) -> tuple[int, str] | None:
-    """(pid, start time): a PID the kernel reuses for another process is not mistaken for ours."""
-    fields = _stat_fields(pid)
-    return None if fields is None else (pid, fields[19])
-
-
-def running(ident: tuple[int, str]) -> bool:
-    """The very process ``ident`` names is still running (a zombie is done running)."""
-    fields = _stat_fields(ident[0])
-    return fields is not None and fields[19] == ident[1] and fields[0] != "Z"
+def running(process: psutil.Process) -> bool:
+    """The very process ``process`` names is still running (a zombie is done running)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 class SessionProcess:
@@ -86,7 +84,7 @@ class SessionProcess:
         self.workdir = workdir
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
-        self.seen: set[tuple[int, str]] = set()  # (pid, start time) of every process seen
+        self.seen: dict[int, psutil.Process] = {}  # every process seen, by PID (start time kept)
         self.stop_report: dict = {}
 
     # ------------------------------------------------------------------ life cycle
@@ -206,13 +204,18 @@ class SessionProcess:
     def note_processes(self) -> list[int]:
         """Record the session's processes now (one that later leaves the session stays ours)."""
         current = session_pids(self.pid)
-        self.seen.update(filter(None, map(identity, current)))
+        for pid in current:
+            known = self.seen.get(pid)
+            if known is None or not running(known):  # new, or a PID reused since
+                process = identity(pid)
+                if process is not None:
+                    self.seen[pid] = process
         return current
 
     def live_pids(self) -> list[int]:
         """Processes of this child still running: its session now, plus every one ever seen."""
         self.note_processes()
-        return sorted(pid for pid, start in self.seen if running((pid, start)))
+        return sorted(pid for pid, process in self.seen.items() if running(process))
 
     def leftovers(self) -> list[str]:
         """Orphan check: anything of this child still alive after ``stop()``."""

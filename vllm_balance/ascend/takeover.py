@@ -37,6 +37,7 @@ Tested against vllm-ascend's own released source: ``tests/test_takeover.py``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import types
@@ -76,10 +77,6 @@ LOST_WITH_THE_TAKE_OVER = {
     DYNTRA_LB_KEY: "swaps in its engine core from the run_engine_core wrapper",
 }
 
-_platform_patch_failures: set[str] = set()
-_rebuilt_async_schedulers: dict[type, type] = {}
-_rebuilt_run_engine_core: list = []
-
 
 class TakeOverError(ValueError):
     """The take-over cannot give vLLM its objects back (the engine core must not start)."""
@@ -97,15 +94,13 @@ def import_vllm_ascend_patches() -> None:
     try:
         importlib.import_module(VLLM_ASCEND_PLATFORM_PATCHES)
     except Exception as exc:  # vllm-ascend's own plugins fail the same way here; vLLM logs those
-        reason = f"{type(exc).__name__}: {exc}"
-        if reason not in _platform_patch_failures:
-            _platform_patch_failures.add(reason)
-            logger.warning(
-                "vllm-ascend is installed but %s cannot be imported here (%s); balance "
-                "scheduling checks the vLLM names as they are",
-                VLLM_ASCEND_PLATFORM_PATCHES,
-                reason,
-            )
+        logger.warning_once(
+            "vllm-ascend is installed but %s cannot be imported here (%s); balance "
+            "scheduling checks the vLLM names as they are",
+            VLLM_ASCEND_PLATFORM_PATCHES,
+            f"{type(exc).__name__}: {exc}",
+            scope="process",
+        )
 
 
 def vllm_class(cls: type, module: str, name: str) -> type:
@@ -127,13 +122,14 @@ def clean_async_scheduler(cls: type) -> type:
     """
     if not any(is_vllm_ascend(base) for base in cls.__mro__):
         return cls
-    if cls not in _rebuilt_async_schedulers:
-        import vllm.v1.core.sched.scheduler as scheduler_module
+    return _rebuilt_async_scheduler(cls)
 
-        if is_vllm_ascend(scheduler_module.Scheduler):
-            raise TakeOverError("AsyncScheduler cannot be rebuilt before Scheduler is restored")
-        _rebuilt_async_schedulers[cls] = _fresh_module(cls.__module__).AsyncScheduler
-    return _rebuilt_async_schedulers[cls]
+
+@functools.cache  # one class per swapped class: is_current() compares by identity
+def _rebuilt_async_scheduler(cls: type) -> type:
+    if is_vllm_ascend(scheduler_module().Scheduler):
+        raise TakeOverError("AsyncScheduler cannot be rebuilt before Scheduler is restored")
+    return _fresh_module(cls.__module__).AsyncScheduler
 
 
 def _function(value: Any) -> Any:
@@ -165,21 +161,22 @@ def vllm_run_engine_core() -> Any:
     swaps. Never found through another package's wrappers: their private module globals are
     not an interface (vllm-ascend's names for them changed between its releases)."""
     below = RUN_ENGINE_CORE_WRAPPER.upstream()
-    if is_vllm_run_engine_core(below):
-        return below
-    if not _rebuilt_run_engine_core:
-        module = registry.engine_core_module()
-        built = _function(vars(_fresh_module(module.__name__).EngineCoreProc)["run_engine_core"])
-        rebound = types.FunctionType(
-            built.__code__, vars(module), built.__name__, built.__defaults__, built.__closure__
-        )
-        rebound.__kwdefaults__ = built.__kwdefaults__
-        rebound.__qualname__ = built.__qualname__
-        rebound.__doc__ = built.__doc__
-        if not is_vllm_run_engine_core(rebound):
-            raise TakeOverError(f"rebuilt {rebound.__qualname__} is not vLLM's run_engine_core")
-        _rebuilt_run_engine_core.append(rebound)
-    return _rebuilt_run_engine_core[0]
+    return below if is_vllm_run_engine_core(below) else _rebuilt_run_engine_core()
+
+
+@functools.cache  # built once: is_current() compares by identity
+def _rebuilt_run_engine_core() -> Any:
+    module = registry.engine_core_module()
+    built = _function(vars(_fresh_module(module.__name__).EngineCoreProc)["run_engine_core"])
+    rebound = types.FunctionType(
+        built.__code__, vars(module), built.__name__, built.__defaults__, built.__closure__
+    )
+    rebound.__kwdefaults__ = built.__kwdefaults__
+    rebound.__qualname__ = built.__qualname__
+    rebound.__doc__ = built.__doc__
+    if not is_vllm_run_engine_core(rebound):
+        raise TakeOverError(f"rebuilt {rebound.__qualname__} is not vLLM's run_engine_core")
+    return rebound
 
 
 def foreign_balance_patches() -> list[str]:
