@@ -412,8 +412,10 @@ def check_verified(schedule_fingerprint: str, vllm_version: str) -> None:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "vllm_balance" / "compat"
+    """Under vLLM's own cache root (``VLLM_CACHE_ROOT``, by default in ``XDG_CACHE_HOME``)."""
+    import vllm.envs
+
+    return Path(vllm.envs.VLLM_CACHE_ROOT) / "vllm_balance" / "compat"
 
 
 def _publish(source: str) -> str:

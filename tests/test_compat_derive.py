@@ -283,7 +283,7 @@ def test_override_allows_unverified_schedule_with_a_warning(monkeypatch, caplog,
     empty = tmp_path / "fingerprints.json"
     empty.write_text(json.dumps({"verified": []}))
     monkeypatch.setattr(derive, "FINGERPRINTS_FILE", empty)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
     monkeypatch.delenv(ALLOW_UNVERIFIED_ENV, raising=False)
     with pytest.raises(UnverifiedSchedule):
         derive.build_phase2a_schedule()
@@ -486,7 +486,7 @@ def test_traceback_from_generated_schedule_shows_generated_file(monkeypatch):
 
 
 def test_generated_file_in_cache_dir_matches_compiled_source(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     cls = derive.build_phase2a_schedule()
     filename = Path(cls.schedule.__code__.co_filename)
     assert filename.parent == tmp_path / "vllm_balance" / "compat"
@@ -496,6 +496,6 @@ def test_generated_file_in_cache_dir_matches_compiled_source(monkeypatch, tmp_pa
 def test_unwritable_cache_dir_still_gives_source_via_linecache(monkeypatch, tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(not_a_dir))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(not_a_dir))
     cls = derive.build_phase2a_schedule()
     assert DELTA_GATE[0] in inspect.getsource(cls.schedule)
