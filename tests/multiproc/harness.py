@@ -78,6 +78,25 @@ def rank_process_context() -> Any:
     return _CONTEXT
 
 
+def join_ranks(
+    procs: Sequence[Any], seconds: float, failed: Callable[[], bool] = lambda: False
+) -> None:
+    """Wait for every rank process, ``seconds`` at most; once ``failed()`` holds, 5 s more (its
+    peers may wait in a collective); then kill what is left and join it."""
+    deadline = time.monotonic() + seconds
+    failed_at = None
+    while any(proc.is_alive() for proc in procs) and time.monotonic() < deadline:
+        if failed_at is None and failed():
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > 5:
+            break
+        time.sleep(0.1)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(timeout=10)
+
+
 def _failing_call(log: str) -> str | None:
     """The collective a rank's fatal traceback went through (first one found, innermost-last)."""
     frames = re.findall(

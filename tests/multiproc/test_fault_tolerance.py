@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import pytest
 
 from tests.multiproc.fault_tolerance import CAP
-from tests.multiproc.harness import rank_process_context
+from tests.multiproc.harness import join_ranks, rank_process_context
 from vllm_balance.shim.watchdog import FAILED
 
 # Not path_independent: what the seam changes is not at stake here, but vLLM's fault tolerance
@@ -74,13 +73,7 @@ def run_ranks(tmp_path, rounds: list[list[list[dict]]], retries: int, **options)
         proc.start()
         specs.append(spec)
         procs.append(proc)
-    deadline = time.monotonic() + RANK_SECONDS
-    while any(proc.is_alive() for proc in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(timeout=10)
+    join_ranks(procs, RANK_SECONDS)
     del store
     results = []
     for spec, proc in zip(specs, procs):

@@ -13,12 +13,11 @@ The negative control is the mutant ``buffer_fixed_at_start_size`` (tests/mutatio
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import rank_process_context
+from tests.multiproc.harness import join_ranks, rank_process_context
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.path_independent]
 
@@ -48,18 +47,7 @@ def run_ranks(specs: list[dict], tmp_path) -> list[dict]:
         proc = context.Process(target=rank_main, args=(spec,), name=f"resize-{spec['rank']}")
         proc.start()
         procs.append(proc)
-    deadline = time.monotonic() + RANK_SECONDS
-    failed_at = None
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        if failed_at is None and any(_error(spec) for spec in specs):
-            failed_at = time.monotonic()  # its peers may wait in a collective: a little grace
-        if failed_at is not None and time.monotonic() - failed_at > 5:
-            break
-        time.sleep(0.1)
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(timeout=10)
+    join_ranks(procs, RANK_SECONDS, failed=lambda: any(_error(spec) for spec in specs))
     del store
     results = []
     for proc, spec in zip(procs, specs):
