@@ -329,8 +329,10 @@ def test_opt_in_from_the_environment_must_be_0_1_true_false(monkeypatch):
         balance_options(dp_config(ENABLED))
 
 
-def test_the_key_wins_over_the_environment(monkeypatch):
-    monkeypatch.setenv(TAKE_OVER_ENV_VAR, "1")
+@pytest.mark.parametrize("raw", ["1", "yes"])
+def test_the_key_wins_over_the_environment(monkeypatch, raw):
+    """Where the key decides, the variable is not read (not even to refuse a bad value)."""
+    monkeypatch.setenv(TAKE_OVER_ENV_VAR, raw)
     config = dp_config({**ENABLED, TAKE_OVER_KEY: False})
     assert balance_options(config).take_over_vllm_ascend is False
 

@@ -316,7 +316,7 @@ def _take_over_from_env() -> bool:
 
 def balance_options(vllm_config: VllmConfig) -> BalanceOptions:
     """The tuning keys, each checked (``read_options``' second part, after the enable key)."""
-    values: dict[str, Any] = {"take_over_vllm_ascend": _take_over_from_env()}
+    values: dict[str, Any] = {}
     for key in TUNING_KEYS:
         where, value = additional_value(vllm_config, key.name)
         if value is _UNSET:
@@ -327,6 +327,8 @@ def balance_options(vllm_config: VllmConfig) -> BalanceOptions:
                 f"{where} must be {key.must_be}, got {value!r}; see {KEYS_DOCS}"
             )
         values[key.field] = parsed
+    if "take_over_vllm_ascend" not in values:  # the environment only where the key is unset
+        values["take_over_vllm_ascend"] = _take_over_from_env()
     return BalanceOptions(**values)
 
 
