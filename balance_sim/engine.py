@@ -10,9 +10,10 @@ One iteration of :meth:`Cluster.step` is one engine step on every rank:
 4. the step lasts as long as the slowest rank, plus the cluster-shared expert work
    (:mod:`.stepmodel`);
 5. each rank feeds a fabricated forward result to its real ``update_from_output()``;
-6. the gather: every rank's ``balance_queue`` receives all ranks' ``len(running)``, exactly the
-   vector the engine core's ``all_gather`` would deliver after this step, consumed by the gate
-   at the next ``schedule()``. The gather's own time (``gather_ms``) delays the next step.
+6. the gather: every rank's gate receives all ranks' ``len(running)``
+   (``balance_gate.set_gathered()``, the gather's own second half), exactly the vector the
+   engine core's ``all_gather`` would deliver after this step, consumed at the next
+   ``schedule()``. The gather's own time (``gather_ms``) delays the next step.
 
 When every rank is idle the cluster skips ahead to the next arrival without a step (and without
 a gather, contract 3), and a new wave starts (vLLM resets ``step_counter``).
@@ -24,8 +25,6 @@ import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from balance_sim.builders import (
     RequestSpec,
@@ -67,7 +66,7 @@ class StepLog:
 
     time_s: list[float] = field(default_factory=list)  # end of the step
     running: list[list[int]] = field(default_factory=list)  # per rank, after the step
-    gate_input: list[list[int]] = field(default_factory=list)  # per rank's queue, before it
+    gate_input: list[list[int]] = field(default_factory=list)  # the vector each step's gate read
     admitted: list[list[int]] = field(default_factory=list)  # per rank, new + resumed
     held: list[bool] = field(default_factory=list)
 
@@ -193,12 +192,8 @@ class Cluster:
         if self.policy.balance:
             # The collective itself takes time; the next step starts after it (contract 3).
             self.now_s += self.step_model.gather_cost_ms(self.config.dp_size) / 1000.0
-            vector = torch.tensor(counts, dtype=torch.int32)
             for scheduler in self.schedulers:
-                scheduler.set_gathered(vector)
-                # What balance_gather() does right after its all_gather: the product's own
-                # accounting (stats, the opt-in bounded hold) sees the same vector.
-                scheduler.observe_gathered()
+                scheduler.balance_gate.set_gathered(counts)
         return counts
 
     def _record_tokens(self, engine_outputs: dict) -> None:
@@ -217,11 +212,9 @@ class Cluster:
     def step(self) -> None:
         self._skip_idle_gap()
         self._deliver_arrivals()
-        gate_input = (
-            [int(t.item()) for t in self.schedulers[0].balance_queue]
-            if (self.policy.balance)
-            else []
-        )
+        # Empty before the first gather (the gate reads zeros) and with balance off.
+        gate = self.schedulers[0].balance_gate if self.policy.balance else None
+        gate_input = [] if gate is None else list(gate.stats.last_gathered)
         throttle = self.policy.before_schedule(self.schedulers, self.step_in_wave)
         outputs = [s.schedule(throttle) if s.has_requests() else None for s in self.schedulers]
         active = [s for s, out in zip(self.schedulers, outputs) if out is not None]
@@ -242,7 +235,8 @@ class Cluster:
         self.log.held.append(held)
 
     def record(self) -> RunRecord:
-        stats = [s.balance_stats for s in self.schedulers if hasattr(s, "balance_stats")]
+        gates = [getattr(s, "balance_gate", None) for s in self.schedulers]
+        stats = [gate.stats for gate in gates if gate is not None]
         return RunRecord(self.policy.name, self.config, self.now_s, self.requests, self.log, stats)
 
     def run(self, on_step: Callable[[Cluster], None] | None = None, max_steps: int = 10**7):

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from balance_sim.compare import Change, changes, verdict
+from balance_sim.markdown import markdown_table
 from balance_sim.metrics import Summary
 from balance_sim.parallel import Job, cached_workload, run_jobs
 from balance_sim.runner import SimOptions, scenario_json
@@ -114,13 +115,7 @@ def _pct(change: Change) -> str:
 def markdown(points: Sequence[Point], policies: Sequence[str]) -> str:
     """Two tables: every policy's verdict, then ``on``'s (or the first policy's) detail."""
     head = ["load", "shared", "req/s", "off TTFT p99 ms", "off tok/s"]
-    lines = [
-        "Verdict vs off, then mean TTFT p99 change / throughput change over the seeds "
-        "(+ helps, = neutral, - hurts, ± mixed, ? seeds disagree):",
-        "",
-        "| " + " | ".join(head + list(policies)) + " |",
-        "|" + "---|" * (len(head) + len(policies)),
-    ]
+    rows = []
     for point in points:
         off = point.summaries["off"]
         cells = [
@@ -137,24 +132,28 @@ def markdown(points: Sequence[Point], policies: Sequence[str]) -> str:
             )
             word = point.verdict(policy)
             cells.append(f"{SYMBOL[word]} {word}: {ttft.mean:+.0f}% / {tok.mean:+.1f}%")
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
     detail = policies[0]
     metrics = [c.name for c in points[0].vs_off[detail]]
-    lines += [
+    details = []
+    for point in points:
+        frozen = [s.frozen_fraction for s in point.summaries[detail]]
+        details.append(
+            [f"{point.load:g}x", f"{point.shared_fraction:g}"]
+            + [_pct(c) for c in point.vs_off[detail]]
+            + [f"{sum(frozen) / len(frozen):.1%}", point.verdict(detail)]
+        )
+    lines = [
+        "Verdict vs off, then mean TTFT p99 change / throughput change over the seeds "
+        "(+ helps, = neutral, - hurts, ± mixed, ? seeds disagree):",
+        "",
+        *markdown_table(" | ".join(head + list(policies)), rows),
         "",
         f"`{detail}` vs off in detail: mean change over the seeds (lowest..highest seed), "
         "and the fraction of steps the gate froze:",
         "",
-        "| load | shared | " + " | ".join(metrics) + " | frozen | verdict |",
-        "|---|---|" + "---|" * (len(metrics) + 2),
+        *markdown_table(" | ".join(["load", "shared", *metrics, "frozen", "verdict"]), details),
     ]
-    for point in points:
-        frozen = [s.frozen_fraction for s in point.summaries[detail]]
-        lines.append(
-            f"| {point.load:g}x | {point.shared_fraction:g} | "
-            + " | ".join(_pct(c) for c in point.vs_off[detail])
-            + f" | {sum(frozen) / len(frozen):.1%} | {point.verdict(detail)} |"
-        )
     return "\n".join(lines) + "\n"
 
 

@@ -14,9 +14,10 @@ Every policy runs real vLLM schedulers of the installed pin:
 - ``bounded-hold:K``: the product's opt-in bounded hold (``balance_max_frozen_steps: K``):
   the gate, but after K consecutive frozen steps admission opens for one step on all ranks.
 
-Variants of the gate are small subclasses of the product's class that override only
-``leader_at_cap()``, the once-per-step decision its ``schedule()`` consumes; everything else,
-including the WAITING loop the gate stops, is the installed vLLM's own code.
+Variants of the gate are small subclasses of the product's ``BalanceGate`` that override only
+``leader_at_cap()``, the once-per-step decision the scheduler's ``schedule()`` consumes, set as
+its ``gate_class``; everything else, including the WAITING loop the gate stops, is the installed
+vLLM's own code.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ def balance_scheduler_class() -> type:
     import vllm_balance
 
     cls = vllm_balance.BalanceScheduler
-    # The variants below hook leader_at_cap(); refuse a class that would silently ignore them.
-    if not callable(getattr(cls, "leader_at_cap", None)):
-        raise RuntimeError(f"{cls.__qualname__} has no leader_at_cap(); the sim cannot vary it")
+    # The variants below replace its gate_class; refuse a class that would silently ignore it.
+    if not callable(getattr(getattr(cls, "gate_class", None), "leader_at_cap", None)):
+        raise RuntimeError(f"{cls.__qualname__} has no gate_class; the sim cannot vary its gate")
     return cls
 
 
-def leader_within_one_of_cap(scheduler: Any) -> bool:
+def leader_within_one_of_cap(gate: Any) -> bool:
     """The reverted ``cap-1`` gate, as a ``leader_at_cap()``: freeze when the leader is within one
     request of the cap (``max >= cap - 1`` instead of the contract's ``==``).
 
@@ -48,35 +49,27 @@ def leader_within_one_of_cap(scheduler: Any) -> bool:
     test's readable-divergence control all install this function, so the variant they measure is
     the one the suite must catch.
     """
-    leader = max(int(t.item()) for t in scheduler.balance_queue)
-    return leader >= scheduler.max_num_running_reqs - 1
+    return gate.leader >= gate.cap - 1
+
+
+def _with_gate(name: str, leader_at_cap: Any) -> type:
+    """The product's balance class with a gate whose ``leader_at_cap`` is ``leader_at_cap``."""
+    base = balance_scheduler_class()
+    gate = type(f"{name}Gate", (base.gate_class,), {"leader_at_cap": leader_at_cap})
+    return type(f"{name}Scheduler", (base,), {"gate_class": gate})
 
 
 @functools.cache
 def cap_minus_one_class() -> type:
-    base = balance_scheduler_class()
-
-    class CapMinusOneScheduler(base):  # type: ignore[misc, valid-type]
-        """Reverted variant: freeze when the leader is within one request of the cap."""
-
-        leader_at_cap = leader_within_one_of_cap
-
-    return CapMinusOneScheduler
+    """Reverted variant: freeze when the leader is within one request of the cap."""
+    return _with_gate("CapMinusOne", leader_within_one_of_cap)
 
 
 @functools.cache
 def held_admission_class() -> type:
-    base = balance_scheduler_class()
-
-    class HeldAdmissionScheduler(base):  # type: ignore[misc, valid-type]
-        """The gate driven by a cluster-wide decision the simulator sets before each step."""
-
-        sim_hold = False
-
-        def leader_at_cap(self) -> bool:
-            return self.sim_hold
-
-    return HeldAdmissionScheduler
+    """The gate driven by a cluster-wide decision the simulator sets before each step
+    (``sim_hold`` on each rank's gate)."""
+    return _with_gate("HeldAdmission", lambda gate: getattr(gate, "sim_hold", False))
 
 
 def upstream_scheduler_class() -> type:
@@ -112,7 +105,7 @@ class Policy:
         """Whether admission was held on this step (the "frozen" column)."""
         if not self.balance:
             return False
-        return any(s.admission_frozen for s in schedulers)
+        return any(s.balance_gate.frozen for s in schedulers)
 
 
 class OffPolicy(Policy):
@@ -218,7 +211,7 @@ class TrtllmAdpBalance(Policy):
     def before_schedule(self, schedulers: Sequence[Any], step_in_wave: int) -> bool:
         hold = self._hold(schedulers)
         for scheduler in schedulers:
-            scheduler.sim_hold = hold
+            scheduler.balance_gate.sim_hold = hold
         return False
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from balance_sim.engine import RunRecord
+from balance_sim.markdown import markdown_table
 from balance_sim.metrics import DIGITS, Summary, tpots_s, ttfts_s
 
 COLUMNS = (
@@ -34,9 +35,7 @@ def format_table(summaries: Sequence[Summary], markdown: bool = False) -> str:
     for row, s in zip(rows, summaries):
         row.append(f"{s.completed}/{s.submitted}")
     if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(lines)
+        return "\n".join(markdown_table(" | ".join(header), rows))
     widths = [max(len(c) for c in col) for col in zip(header, *rows)]
     fmt_row = lambda cells: "  ".join(  # noqa: E731
         c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))

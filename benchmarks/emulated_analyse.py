@@ -2,20 +2,22 @@
 from the step records, and per (DP size, device) group the measured table, the simulator on the
 same requests, the on/off ratios with their bootstrap intervals, the verdicts and advise's answer.
 
-It returns frozen dataclasses (``GroupResult`` and its parts) for ``emulated_render``; they become
-summary.json's ``groups`` through ``to_json`` (and back through ``from_json``) in exactly the
-layout that file has always had: a field left unset is absent there, not ``null``. The tables
-(measured, simulated) and the fitted step model are ``serve_report``'s typed results.
+It returns frozen msgspec structs (``GroupResult`` and its parts, ``serve_report``'s
+``SummaryPart``s) for ``emulated_render``; they become summary.json's ``groups`` through
+``to_json`` (and back through ``from_json``) in exactly the layout that file has always had: a
+field left unset is absent there, not ``null``. The tables (measured, simulated) and the fitted
+step model are ``serve_report``'s typed results.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import msgspec
 
 from benchmarks.emulated_measure import (
     ADVISE_JOBS,
@@ -27,22 +29,14 @@ from benchmarks.emulated_measure import (
     headroom,
     run_records,
 )
-from benchmarks.serve_report import (
-    MeasuredCell,
-    MeasuredTable,
-    SimCell,
-    SimTable,
-    StepModel,
-    map_cells,
-    present_fields,
-)
+from benchmarks.serve_report import MeasuredTable, SimTable, StepModel, SummaryPart
 
+# The metrics each policy is compared on: each is a field of ``RatioRow`` (and a key of its JSON).
 RATIO_KEYS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
 
 
 # ------------------------------------------------------------------------ the typed results
-@dataclasses.dataclass(frozen=True)
-class Ratio:
+class Ratio(SummaryPart):
     """One metric of a policy against its base: measured; simulated and whether the two agree
     (within ``AGREE``) where the simulator ran; for the per-request metrics the measured
     ratio's bootstrap interval and whether it holds the simulated one."""
@@ -53,20 +47,8 @@ class Ratio:
     interval: tuple[float, float] | None = None
     in_interval: bool | None = None
 
-    def to_json(self) -> dict:
-        fields = present_fields(self)
-        if self.interval is not None:
-            fields["interval"] = list(self.interval)
-        return fields
 
-    @classmethod
-    def from_json(cls, data: dict) -> Ratio:
-        interval = data.get("interval")
-        return cls(**data | ({"interval": tuple(interval)} if interval else {}))
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
+class Verdict(SummaryPart):
     """A measured change judged by advise's rule, over this many paired repeats."""
 
     category: str
@@ -74,43 +56,27 @@ class Verdict:
     changes: str
 
 
-@dataclasses.dataclass(frozen=True)
-class RatioRow:
-    """``policy`` vs ``base`` at one rate: each of ``RATIO_KEYS``, the verdict (None: no paired
-    repeats) and whether the gate freezes there, measured or simulated."""
+class RatioRow(SummaryPart):
+    """``policy`` vs ``base`` at one rate: each of ``RATIO_KEYS`` (a field each, as summary.json
+    has them beside the others; ``ratios`` gathers them), the verdict (None: no paired repeats)
+    and whether the gate freezes there, measured or simulated."""
 
     policy: str
     base: str
     rate: str
     measured_verdict: Verdict | None
     freezes: bool
-    ratios: dict[str, Ratio]
+    tok_s: Ratio
+    ttft_p50_ms: Ratio
+    ttft_p99_ms: Ratio
+    tpot_p50_ms: Ratio
 
-    def to_json(self) -> dict:
-        verdict = dataclasses.asdict(self.measured_verdict) if self.measured_verdict else {}
-        return {
-            "policy": self.policy,
-            "base": self.base,
-            "rate": self.rate,
-            "measured_verdict": verdict,
-            "freezes": self.freezes,
-        } | {key: ratio.to_json() for key, ratio in self.ratios.items()}
-
-    @classmethod
-    def from_json(cls, data: dict) -> RatioRow:
-        verdict = data["measured_verdict"]
-        return cls(
-            policy=data["policy"],
-            base=data["base"],
-            rate=data["rate"],
-            measured_verdict=Verdict(**verdict) if verdict else None,
-            freezes=data["freezes"],
-            ratios={key: Ratio.from_json(data[key]) for key in RATIO_KEYS},
-        )
+    @property
+    def ratios(self) -> dict[str, Ratio]:
+        return {key: getattr(self, key) for key in RATIO_KEYS}
 
 
-@dataclasses.dataclass(frozen=True)
-class AdviseVerdict:
+class AdviseVerdict(SummaryPart):
     """``vllm-balance-sim advise`` on the measured scenario: its exit status and category, a
     DEPENDS answer's verdict with the step model as given, and the lines of its answer."""
 
@@ -122,8 +88,7 @@ class AdviseVerdict:
     offered_load: str | None
 
 
-@dataclasses.dataclass(frozen=True)
-class Cell:
+class Cell(SummaryPart):
     """One policy at one rate: means over the valid runs, and each run's worst CPU share and
     machine load; ``valid`` is "valid runs/runs"."""
 
@@ -134,21 +99,19 @@ class Cell:
     cpu_share: tuple[float, ...]
     load: tuple[list[float], ...]  # each run's machine load (1-min average) at start, end
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self) | {
-            "cpu_share": list(self.cpu_share),
-            "load": list(self.load),
-        }
 
-    @classmethod
-    def from_json(cls, data: dict) -> Cell:
-        return cls(**data | {"cpu_share": tuple(data["cpu_share"]), "load": tuple(data["load"])})
+# GroupResult's lists of ``RatioRow``s.
+ROW_LISTS = ("ratios", "hold_vs_on", "ratios_least_loaded")
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupResult:
+class GroupResult(SummaryPart):
     """One (DP size, device) group's analysis; each part after ``observed`` is None where the
-    group has no data for it (no valid run, no valid ``off`` run, advise not asked)."""
+    group has no data for it (no valid run, no valid ``off`` run, advise not asked).
+
+    A row's ``measured_verdict`` of None is ``{}`` in summary.json, neither of msgspec's two
+    ways with None (``null``, or absent where None is the default): ``to_json`` and
+    ``from_json`` map it in ``ROW_LISTS``.
+    """
 
     observed: dict[str, dict[str, Cell]]
     measured: MeasuredTable | None = None
@@ -161,41 +124,19 @@ class GroupResult:
     advise: dict[str, AdviseVerdict] | None = None
 
     def to_json(self) -> dict:
-        data: dict = {"observed": map_cells(self.observed, Cell.to_json)}
-        if self.measured is not None:
-            data["measured"] = map_cells(self.measured, MeasuredCell.to_json)
-        if self.step_model is not None:
-            data["step_model"] = self.step_model.to_json()
-        for name in ("simulated", "simulated_least_loaded"):
-            if getattr(self, name) is not None:
-                data[name] = map_cells(getattr(self, name), SimCell.to_json)
-        for name in ("ratios", "hold_vs_on", "ratios_least_loaded"):
-            if getattr(self, name) is not None:
-                data[name] = [row.to_json() for row in getattr(self, name)]
-        if self.advise is not None:
-            data["advise"] = {rate: dataclasses.asdict(v) for rate, v in self.advise.items()}
+        data = super().to_json()
+        for name in ROW_LISTS:
+            for row in data.get(name, ()):
+                row["measured_verdict"] = row["measured_verdict"] or {}
         return data
 
     @classmethod
     def from_json(cls, data: dict) -> GroupResult:
-        def rows(name: str) -> tuple[RatioRow, ...] | None:
-            return tuple(map(RatioRow.from_json, data[name])) if name in data else None
+        def unjudged_as_none(row: dict) -> dict:
+            return row | {"measured_verdict": row["measured_verdict"] or None}
 
-        def table(name: str, cell: type[MeasuredCell | SimCell]) -> dict | None:
-            return map_cells(data[name], cell.from_json) if name in data else None
-
-        model, advise = data.get("step_model"), data.get("advise")
-        return cls(
-            observed=map_cells(data["observed"], Cell.from_json),
-            measured=table("measured", MeasuredCell),
-            step_model=model and StepModel.from_json(model),
-            simulated=table("simulated", SimCell),
-            simulated_least_loaded=table("simulated_least_loaded", SimCell),
-            ratios=rows("ratios"),
-            hold_vs_on=rows("hold_vs_on"),
-            ratios_least_loaded=rows("ratios_least_loaded"),
-            advise=advise and {rate: AdviseVerdict(**v) for rate, v in advise.items()},
-        )
+        rows = {name: list(map(unjudged_as_none, data[name])) for name in ROW_LISTS if name in data}
+        return super().from_json(data | rows)
 
 
 # ------------------------------------------------------------------------ the runs
@@ -257,7 +198,7 @@ def group_model(steps: dict, runs: list[dict]) -> StepModel:
     gaps = {policy: [s["gap_ms"] for s in of(policy)] for policy in ("off", "on")}
     if gaps["off"] and gaps["on"]:
         delta = statistics.median(gaps["on"]) - statistics.median(gaps["off"])
-        model = dataclasses.replace(model, gather_ms=round(max(delta, 0.0), 3))
+        model = msgspec.structs.replace(model, gather_ms=round(max(delta, 0.0), 3))
     return model
 
 
@@ -354,7 +295,7 @@ def ratio_rows(
                     round(measured, 3), simulated_ratio, agree, interval, in_interval
                 )
             freezes = max(f or 0.0 for f in frozen) >= FREEZES
-            rows.append(RatioRow(policy, base, rate, verdict, freezes, ratios))
+            rows.append(RatioRow(policy, base, rate, verdict, freezes, **ratios))
     return tuple(rows)
 
 

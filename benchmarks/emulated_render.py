@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from balance_sim.markdown import markdown_table
 from benchmarks.emulated_analyse import (
     RATIO_KEYS,
     AdviseVerdict,
@@ -18,7 +19,6 @@ from benchmarks.emulated_analyse import (
     valid_runs,
 )
 from benchmarks.serve_report import SimTable
-from benchmarks.steps import markdown_table
 
 
 def cell_text(observed: dict[str, dict[str, Cell]], simulated: SimTable, key: str, decimals: int):

@@ -46,6 +46,8 @@ from pathlib import Path
 
 import steps
 
+from balance_sim.markdown import markdown_table
+
 MARKER = "_PyEval_CallTracing"
 GATHER_CALLS = 200
 STATS_CALLS = 200
@@ -121,18 +123,18 @@ def _metrics_regions() -> list[tuple[str, object]]:
     upstream = make_scheduler(Scheduler, plain_config, log_stats=True)
     idle = make_scheduler(vllm_balance.BalanceScheduler, balance_config, log_stats=True)
     carrying = make_scheduler(vllm_balance.BalanceScheduler, balance_config, log_stats=True)
-    counted = carrying.balance_stats
+    counted = carrying.balance_gate.stats
     counted.record_gather([4, 1, 0, 4, 2, 3, 4, 4])
     counted.record_step(frozen=True, released=False, num_waiting=7, dp_rank=0)
 
     def carry() -> None:  # the publishing step: the log line's publish, then the hand-over
-        carrying._periodic_log.metrics.publish(counted)
+        carrying.balance_gate.metrics.publish(counted)
         carrying.make_stats()
 
     logger = BalanceStatLogger(balance_config, list(range(8)))
     vllms = PrometheusStatLogger(plain_config, list(range(8)))  # the scale on the API server
     plain = upstream.make_stats()
-    carrying._periodic_log.metrics.publish(counted)
+    carrying.balance_gate.metrics.publish(counted)
     carried = carrying.make_stats()
     return [
         ("stats/upstream", _repeated(upstream.make_stats, STATS_CALLS)),
@@ -159,8 +161,10 @@ def child(dp_sizes: list[int], reps: int, labels_file: str, metrics_only: bool) 
             vllm_balance.BalanceScheduler,
             make_vllm_config(additional_config={"enable_balance_scheduling": True}),
         )
-        gatherer.dp_group = stateless_init_torch_distributed_process_group(
-            "127.0.0.1", get_open_port(), 0, 1, backend="gloo"
+        gatherer.follow_dp_group(
+            stateless_init_torch_distributed_process_group(
+                "127.0.0.1", get_open_port(), 0, 1, backend="gloo"
+            )
         )
     real_all_gather = dist.all_gather
     labels: list[str] = []
@@ -180,7 +184,7 @@ def child(dp_sizes: list[int], reps: int, labels_file: str, metrics_only: bool) 
                     sched = steps.prepared_scheduler(variant, configs, workload)
                     _measured(f"{dp}/{workload}/{variant}", sched.schedule, sink)
             gate = make_scheduler(vllm_balance.BalanceScheduler, configs[1])
-            _measured(f"{dp}/gate/gate-only", gate.leader_at_cap, sink)
+            _measured(f"{dp}/gate/gate-only", gate.balance_gate.leader_at_cap, sink)
         # The first balance_gather() (round 0) starts the watchdog thread; it keeps running.
         _measured("gather/real", _repeated(gatherer.balance_gather), sink)
         dist.all_gather = _no_collective
@@ -330,7 +334,7 @@ def markdown(result: dict) -> str:
             f"{result['reps']} measurements each, medians), ratio vs upstream `Scheduler`:",
             "",
         ]
-        out += steps.markdown_table(
+        out += markdown_table(
             "DP | step | upstream instructions | on, gate open | on, gate frozen "
             "| gate decision alone | rep-to-rep spread",
             result["rows"],

@@ -8,7 +8,7 @@ Parts (what each measures, how, and its results: docs/results.md "Benchmarks"; t
 scale: docs/scaling.md):
 (a) ``schedule``: ``schedule()`` of the product's balance class (gate open; gate frozen) vs
     upstream ``Scheduler`` at DP 8/64/256, admission- and decode-heavy steps; and the gate's own
-    per-step cost (``leader_at_cap()``), which is where balance-on time goes.
+    per-step cost (``BalanceGate.leader_at_cap()``), which is where balance-on time goes.
 (b) ``gather``: ``balance_gather()`` on a real gloo group vs bare ``all_reduce``/``all_gather``,
     vs ``steps.unwatched_gather()`` (the watchdog's cost) and vs the log-depth collective.
 (c) ``sim``: simulated lockstep steps per CPU second at DP 8/64/256; serial vs parallel wall time.
@@ -34,6 +34,8 @@ from pathlib import Path
 import steps
 import torch
 import torch.distributed as dist
+
+from balance_sim.markdown import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DP_SIZES = (8, 64, 256)
@@ -110,7 +112,8 @@ def bench_schedule(reps: int) -> dict:
 
 
 def bench_gate(balance_cls, configs) -> dict:
-    """Median cost of the once-per-step gate decision (``leader_at_cap()``) alone, in µs."""
+    """Median cost of the once-per-step gate decision (``BalanceGate.leader_at_cap()``) alone,
+    in µs."""
     from balance_testbed.factories import make_scheduler
 
     result = {}
@@ -119,7 +122,7 @@ def bench_gate(balance_cls, configs) -> dict:
         samples = []
         for _ in range(200):
             start = time.perf_counter_ns()
-            scheduler.leader_at_cap()
+            scheduler.balance_gate.leader_at_cap()
             samples.append((time.perf_counter_ns() - start) / 1e3)
         result[dp] = round(statistics.median(samples), 2)
     return result
@@ -157,7 +160,7 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
         scheduler = make_scheduler(vllm_balance.BalanceScheduler, config)
         add_requests(scheduler, make_requests(4 + rank, max_tokens=10_000))
         engine_step(scheduler)
-        scheduler.dp_group = group
+        scheduler.follow_dp_group(group)
         return scheduler
 
     scheduler = gathering_scheduler("all_gather")
@@ -172,7 +175,7 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
     }
     ops["balance_reduce"] = lambda: reducing.balance_gather()
     ops["reduce_running"] = lambda: collective.reduce_running(4 + rank, group)
-    # The same answer as the all_gather's max(balance_queue), min and sum.
+    # The same answer as the all_gather's max, min and sum.
     assert ops["reduce_running"]() == (4 + world - 1, 4, sum(4 + r for r in range(world)))
     names = list(ops)
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -188,8 +191,8 @@ def _gather_worker(rank: int, world: int, port: int, iters: int, results) -> Non
             elapsed = (time.perf_counter_ns() - start) / 1e3
             if i >= 20:  # warm-up excluded
                 samples[name].append(elapsed)
-    assert [int(t.item()) for t in scheduler.balance_queue] == [4 + r for r in range(world)]
-    assert [int(t.item()) for t in reducing.balance_queue] == [4 + world - 1]
+    assert scheduler.balance_gate.stats.last_gathered == [4 + r for r in range(world)]
+    assert reducing.balance_gate.leader == 4 + world - 1
     if rank == 0:
         # Median and quartiles: the spread within one run (repetitions give the spread between)
         results.put({name: statistics.quantiles(v, n=4) for name, v in samples.items()})
@@ -379,7 +382,7 @@ def markdown(results: dict) -> str:
             "ratio of medians vs upstream `Scheduler`:",
             "",
         ]
-        out += steps.markdown_table(
+        out += markdown_table(
             "DP | step | upstream ms | on, gate open | on, gate frozen",
             r["rows"],
             "{dp} | {workload} | {upstream_ms:.3f} | {on_open_ratio:.3f}x | {on_frozen_ratio:.3f}x",
@@ -387,7 +390,7 @@ def markdown(results: dict) -> str:
         gate = ", ".join(f"DP={dp}: {us} µs" for dp, us in r["gate_us"].items())
         out += ["", f"Gate decision `leader_at_cap()` alone (median): {gate}.", ""]
     if "gather" in results:
-        out += steps.markdown_table(
+        out += markdown_table(
             "DP | balance_gather µs, all_gather | balance_gather µs, recursive_doubling "
             "| recursive_doubling / all_gather | bare reduce_running µs | without watchdog µs "
             "| bare all_reduce µs | bare all_gather µs | gather / without watchdog "
@@ -405,7 +408,7 @@ def markdown(results: dict) -> str:
             "steps and CPU seconds summed over both runs:",
             "",
         ]
-        out += steps.markdown_table(
+        out += markdown_table(
             "DP | requests | steps | CPU s | steps/CPU s | rank-steps/CPU s | wall, one process "
             "| wall, parallel | load average",
             results["sim"],

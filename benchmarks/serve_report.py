@@ -4,24 +4,26 @@ Reads ``<out>/runs.json``, the client's result files (``raw/``) and the engine c
 (``servers/<policy>/steps/``); writes ``summary.json`` (small, committed as
 docs/bench-serve.json), ``step_model.json``, ``table.md`` and ``bench-serve.png``.
 
-The analysis returns frozen dataclasses (``Summary`` and its parts, as ``emulated_analyse`` does);
-they become summary.json through ``to_json`` (and back through ``from_json``) in exactly the
-layout that file has always had. The runs stay runs.json's dicts: they are the raw material.
+The analysis returns frozen msgspec structs (``Summary`` and its parts, ``SummaryPart``s, as
+``emulated_analyse``'s are); they become summary.json through ``to_json`` (and back through
+``from_json``) in exactly the layout that file has always had. The runs stay runs.json's dicts:
+they are the raw material.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
+import msgspec
 import numpy as np
 
-from benchmarks.steps import markdown_table
+from balance_sim.markdown import markdown_table
 
 # vLLM's result keys -> ours; every one of them is vLLM's own measurement.
 METRICS = {
@@ -46,14 +48,30 @@ IDLE_GAP_MS = 100.0
 
 
 # ------------------------------------------------------------------------ the typed results
-def present_fields(result) -> dict:
-    """A result's fields as JSON, a field left None absent (not ``null``): the layout the
-    summaries have always had, where a part not measured was simply not written."""
-    return {key: value for key, value in dataclasses.asdict(result).items() if value is not None}
+PartT = TypeVar("PartT", bound="SummaryPart")
 
 
-@dataclasses.dataclass(frozen=True)
-class Spread:
+class SummaryPart(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """A typed part of a summary.json, read and written by msgspec field by field, in the order
+    the fields are declared: the layout the summaries have always had.
+
+    A field that defaults to None is absent there when None, not ``null`` (``omit_defaults``): a
+    part not measured was simply not written, and it reads back as its default. A field without
+    a default is written even when None (``GatherSide.frozen_steps``, ``Cell.frozen``), as it
+    always was. A key no field names is an error, not dropped: the layout drifted.
+    """
+
+    def to_json(self) -> dict:
+        # Through the json module, not msgspec.json: msgspec keeps a tuple a tuple (JSON has a
+        # list), and msgspec.json would write a NaN (a degenerate fit's R²) as null.
+        return json.loads(json.dumps(msgspec.to_builtins(self)))
+
+    @classmethod
+    def from_json(cls: type[PartT], data: dict) -> PartT:
+        return msgspec.convert(data, cls)
+
+
+class Spread(SummaryPart):
     """One metric of a cell over its repeats: each repeat's value and their mean, min and max."""
 
     values: tuple[float, ...]
@@ -69,16 +87,8 @@ class Spread:
         """``mean (min-max)``, a cell of the table."""
         return f"{self.mean:.{decimals}f} ({self.min:.{decimals}f}-{self.max:.{decimals}f})"
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self) | {"values": list(self.values)}
 
-    @classmethod
-    def from_json(cls, data: dict) -> Spread:
-        return cls(**data | {"values": tuple(data["values"])})
-
-
-@dataclasses.dataclass(frozen=True)
-class MeasuredCell:
+class MeasuredCell(SummaryPart):
     """One policy at one rate as vLLM's client measured it; where /metrics split the TTFT, also
     the mean TTFT of the engine (WAITING, then the prefill: what the simulator models) and of the
     client (None where not)."""
@@ -90,17 +100,10 @@ class MeasuredCell:
     engine_ttft_mean_ms: Spread | None = None
     client_ttft_mean_ms: Spread | None = None
 
-    def to_json(self) -> dict:
-        spreads = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        return {key: spread.to_json() for key, spread in spreads.items() if spread is not None}
 
-    @classmethod
-    def from_json(cls, data: dict) -> MeasuredCell:
-        return cls(**{key: Spread.from_json(spread) for key, spread in data.items()})
-
-
-@dataclasses.dataclass(frozen=True)
-class SimCell:
+# NOTE: keyword-only so that ``balance`` can default to None (absent in summaries written before
+# it was kept) and still keep its place among the fields, which is its place in the JSON.
+class SimCell(SummaryPart, kw_only=True):
     """One policy at one rate as the simulator ran it: the client's metrics, the share of steps
     frozen, the ranks' balance (None in summaries written before it was kept), the mean TTFT."""
 
@@ -109,15 +112,8 @@ class SimCell:
     ttft_p99_ms: float
     tpot_p50_ms: float
     frozen: float
-    balance: float | None
+    balance: float | None = None
     ttft_mean_ms: float
-
-    def to_json(self) -> dict:
-        return present_fields(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> SimCell:
-        return cls(**{"balance": None} | data)
 
 
 MeasuredTable = dict[str, dict[str, MeasuredCell]]  # policy -> rate -> cell
@@ -126,14 +122,13 @@ SimTable = dict[str, dict[str, SimCell]]
 
 def map_cells(table: dict, convert: Callable) -> dict:
     """``convert`` applied to each cell of a two-level table (policy -> rate -> cell, or rate ->
-    metric -> cell), both levels' order kept: the tables' JSON, both ways."""
+    metric -> cell), both levels' order kept."""
     return {
         key: {inner: convert(cell) for inner, cell in cells.items()} for key, cells in table.items()
     }
 
 
-@dataclasses.dataclass(frozen=True)
-class Fit:
+class Fit(SummaryPart):
     """The steps the step model was fitted to, the outliers among them, and R² over the rest."""
 
     steps: int
@@ -141,8 +136,7 @@ class Fit:
     r2: float
 
 
-@dataclasses.dataclass(frozen=True)
-class StepModel:
+class StepModel(SummaryPart):
     """The simulator's step model fitted to a server's steps (``fit_step_model``), and balance
     on's measured cost per step where one was added (``gather_ms``)."""
 
@@ -154,16 +148,8 @@ class StepModel:
     fit: Fit
     gather_ms: float | None = None
 
-    def to_json(self) -> dict:
-        return present_fields(self)
 
-    @classmethod
-    def from_json(cls, data: dict) -> StepModel:
-        return cls(**data | {"fit": Fit(**data["fit"])})
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillVsDecode:
+class PrefillVsDecode(SummaryPart):
     """The median step with one typical prefill on a rank and the median step of decodes only."""
 
     prefill_step_ms_p50: float
@@ -173,8 +159,7 @@ class PrefillVsDecode:
     ratio: float
 
 
-@dataclasses.dataclass(frozen=True)
-class GatherSide:
+class GatherSide(SummaryPart):
     """One policy's decode-only steps at the lightest rate: how many, their median period and time
     outside ``_process_engine_step()``, and its runs' frozen steps (None: no stats lines)."""
 
@@ -184,8 +169,7 @@ class GatherSide:
     frozen_steps: int | None
 
 
-@dataclasses.dataclass(frozen=True)
-class GatherCost:
+class GatherCost(SummaryPart):
     """Balance on vs off at ``rate``, the lightest (``gather_cost``)."""
 
     rate: float
@@ -195,13 +179,8 @@ class GatherCost:
     period_ms_p50_delta: float
     outside_step_delta_ms: float
 
-    @classmethod
-    def from_json(cls, data: dict) -> GatherCost:
-        return cls(**data | {side: GatherSide(**data[side]) for side in ("off", "on")})
 
-
-@dataclasses.dataclass(frozen=True)
-class Sign:
+class Sign(SummaryPart):
     """On - off of one metric at one rate, measured (means over the repeats) and simulated:
     whether the two signs agree and whether the measured one is within the repeats' spread."""
 
@@ -211,8 +190,7 @@ class Sign:
     measured_within_spread: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class SimOverMeasured:
+class SimOverMeasured(SummaryPart):
     """Simulated / measured at one cell: throughput and TTFT p50; where the TTFT's phases were
     measured, also the engine's mean TTFT, and TTFT p50 with the front end's time added to the
     simulated (None where not)."""
@@ -222,35 +200,25 @@ class SimOverMeasured:
     engine_ttft_mean: float | None = None
     ttft_p50_plus_front_end: float | None = None
 
-    def to_json(self) -> dict:
-        return present_fields(self)
 
-
-@dataclasses.dataclass(frozen=True)
-class Agreement:
+class Agreement(SummaryPart):
     """``agreement``'s rows: rate -> metric -> ``Sign``, and policy -> rate -> the ratios."""
 
     sign: dict[str, dict[str, Sign]]
     ratio: dict[str, dict[str, SimOverMeasured]]
 
-    def to_json(self) -> dict:
-        return {
-            "sign": map_cells(self.sign, dataclasses.asdict),
-            "ratio": map_cells(self.ratio, SimOverMeasured.to_json),
-        }
 
-    @classmethod
-    def from_json(cls, data: dict) -> Agreement:
-        return cls(
-            sign=map_cells(data["sign"], lambda sign: Sign(**sign)),
-            ratio=map_cells(data["ratio"], lambda ratio: SimOverMeasured(**ratio)),
-        )
+# Summary's parts that may be missing: None in the Summary, ``{}`` in summary.json.
+OPTIONAL_PARTS = ("step_model", "prefill_vs_decode", "gather_cost")
 
 
-@dataclasses.dataclass(frozen=True)
-class Summary:
+class Summary(SummaryPart):
     """summary.json: the runs (what ``RUN_KEYS`` keeps of each) and the analysis; a part there was
-    nothing for (no balance-off steps, not both on and off) is None here and ``{}`` there."""
+    nothing for (no balance-off steps, not both on and off) is None here and ``{}`` there.
+
+    That ``{}`` is neither of msgspec's two ways with None (``null``, or absent where None is the
+    default), so ``to_json`` and ``from_json`` map it for ``OPTIONAL_PARTS``.
+    """
 
     runs: list[dict]
     measured: MeasuredTable
@@ -261,33 +229,13 @@ class Summary:
     agreement: Agreement
 
     def to_json(self) -> dict:
-        def part(value, to_json: Callable = dataclasses.asdict) -> dict:
-            return {} if value is None else to_json(value)
-
-        return {
-            "runs": self.runs,
-            "measured": map_cells(self.measured, MeasuredCell.to_json),
-            "step_model": part(self.step_model, StepModel.to_json),
-            "prefill_vs_decode": part(self.prefill_vs_decode),
-            "gather_cost": part(self.gather_cost),
-            "simulated": map_cells(self.simulated, SimCell.to_json),
-            "agreement": self.agreement.to_json(),
-        }
+        empty = {name: {} for name in OPTIONAL_PARTS if getattr(self, name) is None}
+        return super().to_json() | empty
 
     @classmethod
     def from_json(cls, data: dict) -> Summary:
-        def part(name: str, from_json: Callable):
-            return from_json(data[name]) if data[name] else None
-
-        return cls(
-            runs=data["runs"],
-            measured=map_cells(data["measured"], MeasuredCell.from_json),
-            step_model=part("step_model", StepModel.from_json),
-            prefill_vs_decode=part("prefill_vs_decode", lambda fields: PrefillVsDecode(**fields)),
-            gather_cost=part("gather_cost", GatherCost.from_json),
-            simulated=map_cells(data["simulated"], SimCell.from_json),
-            agreement=Agreement.from_json(data["agreement"]),
-        )
+        missing = {name: None for name in OPTIONAL_PARTS if not data[name]}
+        return super().from_json(data | missing)
 
 
 # ------------------------------------------------------------------------ step logs
@@ -711,7 +659,7 @@ def report(out: Path, input_len: int, max_num_seqs: int, seed: int) -> Summary:
         # Balance on's whole measured cost per step (the gate idle): what the simulator charges
         # as gather_ms, so the comparison below carries what balance really costs this server.
         delta = gather.period_ms_p50_delta
-        model = dataclasses.replace(model, gather_ms=round(max(delta, 0.0), 3))
+        model = msgspec.structs.replace(model, gather_ms=round(max(delta, 0.0), 3))
     simulated = simulate(out, runs, model, max_num_seqs, seed) if model else {}
     summary = Summary(
         runs=[{k: run.get(k) for k in RUN_KEYS.split()} for run in runs],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,7 +65,8 @@ def prepared_scheduler(variant: str, configs, workload: str):
         add_requests(scheduler, make_requests(CAP, prompt_len=32, max_tokens=64))
         step(scheduler)  # admit and prefill all 256; the measured step decodes them
     if variant == "on-frozen":
-        scheduler.balance_queue[-1].fill_(CAP)  # another rank is at the cap
+        gate = scheduler.balance_gate
+        gate.set_gathered([0] * (gate.dp_size - 1) + [CAP])  # another rank is at the cap
     return scheduler
 
 
@@ -78,21 +79,22 @@ def unwatched_gather(scheduler) -> None:
     check and the timestamp the gather writes and clears. The gather-time accounting the metrics
     read stays in, so it is not charged to the watchdog.
     """
-    if not scheduler._balance_enabled or scheduler.dp_group is None:
+    gate = scheduler.balance_gate
+    if gate is None:
         return
-    if scheduler.dp_group is not scheduler._gather_group:
-        scheduler.follow_dp_group(scheduler.dp_group)
     running = len(scheduler.running)
     if running:  # balance_gather's pause check (the measured gatherers run nothing: not reached)
-        from vllm_balance.shim.gather import PAUSED_ALL
+        from vllm_balance.shim.scheduler import PAUSED_ALL
 
         if PAUSED_ALL is not None and scheduler.pause_state == PAUSED_ALL:
             running = 0
+    if gate.group is None:
+        return
     started = time.monotonic()
-    running_count = torch.tensor([running], dtype=torch.int32)
-    dist.all_gather(scheduler.balance_queue, running_count, group=scheduler.dp_group)
-    scheduler.balance_stats.gather_seconds += time.monotonic() - started
-    scheduler.observe_gathered()
+    payload = torch.tensor([running], dtype=torch.int32)
+    dist.all_gather(gate._buffer_views, payload, group=gate.group)
+    gate.stats.gather_seconds += time.monotonic() - started
+    gate.set_gathered(gate._buffer.tolist())
 
 
 def emit(results: dict, report: str, json_path: str | None) -> None:
@@ -118,10 +120,3 @@ def int_list(minimum: int) -> Callable[[str], list[int]]:
         return values
 
     return parse
-
-
-def markdown_table(header: str, rows: Iterable, row: str | None = None) -> list[str]:
-    """A Markdown table's lines: ``header`` ("a | b"), its rule, one line per entry of ``rows``:
-    a dict formatted by the ``str.format`` template ``row``, or (no ``row``) a list of cells."""
-    cells = [row.format(**r) if row else " | ".join(map(str, r)) for r in rows]
-    return [f"| {header} |", "|" + "---|" * (header.count("|") + 1)] + [f"| {c} |" for c in cells]

@@ -3,15 +3,15 @@
 Phase 2A is upstream ``Scheduler.schedule`` plus three deltas: the seam series' ``schedule()``
 (upstream_patch/) with the seam's call read as the gate:
 
-1. disabled path: ``if not self._balance_enabled: return super().schedule(throttle_prefills)``
+1. disabled path: ``if self.balance_gate is None: return super().schedule(throttle_prefills)``
    as the first statement, so a config without balance runs upstream verbatim (contract 4);
 2. the gate, right after upstream's own request-slot check in the WAITING loop (which stays, so
    the gate can only hold back), in the seam's form for the release
    (``vllm_balance.slot_check.holds_fresh_requests_only``): ``if request_queue is self.waiting and
-   self.admission_frozen: self.admission_deferred = True; break`` where the loop drains the requests
-   that hold KV blocks first (0.31+; they are not held), ``if self.admission_frozen: ...`` before
-   (0.24-0.30). It reads the value the mixin computed once for this step and records for the mixin
-   that it stopped admission, as the shim's override of the seam does;
+   self.balance_gate.frozen: self.balance_gate.deferred = True; break`` where the loop drains the
+   requests that hold KV blocks first (0.31+; they are not held), ``if self.balance_gate.frozen:
+   ...`` before (0.24-0.30). It reads the value the mixin computed once for this step and records
+   in the gate that it stopped admission, as the shim's override of the seam does;
 3. ``if request_queue is None: break`` instead of upstream's ``assert request_queue is not None``,
    where upstream has that assert (0.24-0.30). 0.31 reworked the loop to break on an empty
    queue itself and has no such assert: there is nothing to replace, so delta 3 is not applied
@@ -89,20 +89,20 @@ QUEUE_ASSERT = "assert request_queue is not None"
 # The deltas, each led by the comment naming it (relative indentation; no upstream text).
 DELTA_DISABLED_PATH = (
     "# Phase 2A delta 1 (disabled path): balance off runs upstream's schedule() verbatim.",
-    "if not self._balance_enabled:",
+    "if self.balance_gate is None:",
     "    return super().schedule(throttle_prefills)",
 )
 GATE_COMMENT = "# Phase 2A delta 2 (gate): a DP leader at the cap holds admission for this step."
 # The seam's two forms (upstream_patch/make_series.py), the call read as the gate.
 DELTA_GATE = (
     GATE_COMMENT,
-    "if self.admission_frozen:",
-    "    self.admission_deferred = True",
+    "if self.balance_gate.frozen:",
+    "    self.balance_gate.deferred = True",
     "    break",
 )
 DELTA_GATE_FRESH = (
     GATE_COMMENT,
-    "if request_queue is self.waiting and self.admission_frozen:",
+    "if request_queue is self.waiting and self.balance_gate.frozen:",
     *DELTA_GATE[2:],
 )
 DELTA_NO_QUEUE = (

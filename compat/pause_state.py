@@ -64,7 +64,9 @@ class PauseStateHold(_Base):
 
     def _hold_and_schedule(self, throttle_prefills: bool) -> tuple[SchedulerOutput, bool]:
         operator_pause = self._pause_state
-        if operator_pause != PauseState.UNPAUSED or not self._hold_can_matter():
+        assert self.balance_gate is not None  # only a frozen step gets here
+        cap = self.balance_gate.cap
+        if operator_pause != PauseState.UNPAUSED or not self._hold_can_matter(cap):
             return self._upstream_schedule(throttle_prefills), False
         capacity_bound = self.prefill_capacity_bound
         deferring = throttle_prefills and not capacity_bound
@@ -77,7 +79,7 @@ class PauseStateHold(_Base):
             recorded = type(self.prefill_capacity_bound) is not _Unrecorded
             if not recorded:
                 self.prefill_capacity_bound = capacity_bound
-        held = self._hold_kept_fresh_requests(output)
+        held = self._hold_kept_fresh_requests(output, cap)
         if not held and not recorded and not deferring and not _preempted(output):
             # The running requests spent the token budget: upstream's WAITING loop would not
             # have run, yet would have recorded the backlog, which this release's PAUSED_NEW
@@ -85,20 +87,20 @@ class PauseStateHold(_Base):
             self.prefill_capacity_bound = bool(self.waiting)
         return output, held
 
-    def _hold_can_matter(self) -> bool:
+    def _hold_can_matter(self, cap: int) -> bool:
         """A fresh request waits and a slot is free: otherwise upstream's own step is the frozen
         step already (running only shrinks before the WAITING loop, by preemption, which skips
         it), and runs unpaused, recording what upstream records."""
-        return self._fresh_waiting() > 0 and self._slots_in_use() < self.balance_cap
+        return self._fresh_waiting() > 0 and self._slots_in_use() < cap
 
-    def _hold_kept_fresh_requests(self, output: SchedulerOutput) -> bool:
+    def _hold_kept_fresh_requests(self, output: SchedulerOutput, cap: int) -> bool:
         """Whether the hold, not upstream's own limits, kept a fresh request waiting: one is still
         waiting, the step preempted nothing (a preempting step skips the WAITING loop), and
         slots and token budget were left (either one stops the loop before any hold would)."""
         return (
             self._fresh_waiting() > 0
             and not _preempted(output)
-            and self._slots_in_use() < self.balance_cap
+            and self._slots_in_use() < cap
             and output.total_num_scheduled_tokens < self.max_num_scheduled_tokens
         )
 

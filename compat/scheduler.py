@@ -1,11 +1,11 @@
 """The Phase 2A balance schedulers: the shim's mixin in front of the derived ``schedule()``.
 
-MRO: ``BalanceSchedulerMixin.schedule`` (computes ``admission_frozen`` once per step) ->
+MRO: ``BalanceSchedulerMixin.schedule`` (the gate's decision, once per step) ->
 ``Phase2ASchedule.schedule`` (upstream's body + the Phase 2A deltas; balance off delegates
 straight to ``super().schedule``) -> upstream ``Scheduler.schedule``. For the async variant the
 MRO places ``AsyncScheduler`` after ``Phase2ASchedule``, so its ``_update_after_schedule`` and
 friends still apply and delta 1 reaches upstream through it. The mixin's seam override is never
-called here: the derived loop reads ``admission_frozen`` itself (delta 2).
+called here: the derived loop reads ``balance_gate.frozen`` itself (delta 2).
 
 Importing this module derives the method (see ``derive``); it fails closed with
 ``Phase2AUnavailable`` on a vLLM whose ``schedule()`` is not verified.

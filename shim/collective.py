@@ -1,6 +1,6 @@
 """The opt-in log-depth collective (``balance_collective: "recursive_doubling"``).
 
-The gate needs only the largest running count (``max(balance_queue) == cap``), and the stats the
+The gate needs only the largest running count (``BalanceGate.leader == cap``), and the stats the
 smallest and the sum. gloo's ``all_gather`` is a ring of DP-1 sequential hops, and its
 ``all_reduce`` a ring of 2(DP-1) (docs/scaling.md cites the source); recursive doubling reduces
 ``[running, -running, running]`` (elementwise max, max, sum) in ceil(log2 DP) rounds of pairwise

@@ -1,8 +1,8 @@
-"""The gather: once per active step, every DP rank all-gathers its ``len(self.running)``.
+"""The balance state of one scheduler: the gathered counts, the gate read from them, the gather.
 
-The scheduler half that moves counts between ranks; the gate that reads them is
-``shim/scheduler.py``. The engine core says when (``BalanceDPEngineCoreProc``); the buffer, the
-group it is sized for, the pause rule, the watchdog and the gather's statistics live here.
+``BalanceGate`` is the one object a balance scheduler carries (``scheduler.balance_gate``,
+``None`` with balance off); the scheduler mixin (``shim/scheduler.py``) keeps only what vLLM
+calls. The engine core says when to gather (``BalanceDPEngineCoreProc``).
 
 With vLLM's fault tolerance on (``--enable-fault-tolerance``) the gather fails after
 ``gather_timeout_under_fault_tolerance`` instead of waiting for gloo's own timeout: see there.
@@ -10,8 +10,8 @@ With vLLM's fault tolerance on (``--enable-fault-tolerance``) the gather fails a
 
 from __future__ import annotations
 
-import operator
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -21,15 +21,10 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from vllm_balance.config import ALL_GATHER, BalanceOptions
 from vllm_balance.shim import collective
-from vllm_balance.shim.stats import BalanceStats
+from vllm_balance.shim.collective import NO_TIMEOUT
+from vllm_balance.shim.metrics import BalanceMetrics
+from vllm_balance.shim.stats import BalanceStats, PeriodicLog
 from vllm_balance.shim.watchdog import GatherWatchdog
-
-try:  # pause_scheduler(mode="keep"); feature detection, not a version
-    from vllm.v1.core.sched.interface import PauseState
-
-    PAUSED_ALL: Any = PauseState.PAUSED_ALL
-except ImportError:  # a vLLM without scheduler pause states
-    PAUSED_ALL = None
 
 if TYPE_CHECKING:
     from vllm.config import ParallelConfig
@@ -74,153 +69,156 @@ def gather_timeout_under_fault_tolerance(parallel_config: ParallelConfig) -> Gat
     return bound
 
 
-class RunningCountGather:
-    """The gathered counts of every DP rank, where the gate reads them: ``balance_queue``.
+class BalanceGate:
+    """One scheduler's balance state, owned by it alone (two schedulers in one process, as the
+    simulator's ranks, never share one).
 
-    A base of ``BalanceSchedulerMixin``, behind it in the MRO: the gate calls ``_init_gather()``
-    from its ``__init__`` when balance is on; with balance off none of this state exists.
+    Every active step: ``gather()`` fills the counts (or ``set_gathered()``, the gather's second
+    half, where a simulator or test has no group), then the scheduler's ``schedule()`` asks
+    ``start_step()`` whether this step is frozen, and a hold records in ``deferred`` that it kept
+    a fresh request waiting.
     """
 
-    # Upstream attributes the gather reads, on every supported release (test_upstream_surface.py).
-    running: list
-    pause_state: Any  # where PAUSED_ALL exists
-    _balance_enabled: bool
-    if TYPE_CHECKING:
-
-        def leader_at_cap(self) -> bool: ...
-
-    def _init_gather(self, options: BalanceOptions, parallel_config: ParallelConfig) -> None:
-        self._all_gather = options.collective == ALL_GATHER
+    def __init__(self, options: BalanceOptions, parallel_config: ParallelConfig, cap: int) -> None:
+        self.cap = cap  # the admission limit the WAITING loop stops at
+        self.frozen = False  # this step's decision (contract 1)
+        self.deferred = False  # this step's hold kept a fresh request waiting
+        self.stats = BalanceStats()
+        self.metrics = BalanceMetrics()
+        self._periodic_log = PeriodicLog(options.log_interval_s, self.metrics)
+        # The contract's all_gather of every count, or the opt-in reduction to max, min and sum.
+        self.all_gather = options.collective == ALL_GATHER
         self._max_frozen_steps = options.max_frozen_steps
-        self.balance_stats = BalanceStats()
         timeout = gather_timeout_under_fault_tolerance(parallel_config)
         # None: gloo's own timeout, the contract's plain all_gather (fault tolerance off).
-        self._gather_timeout = None if timeout is None else timedelta(seconds=timeout.seconds)
-        self._gather_watchdog = GatherWatchdog(
+        self._timeout = None if timeout is None else timedelta(seconds=timeout.seconds)
+        self.watchdog = GatherWatchdog(
             options.gather_warn_s,
             parallel_config.data_parallel_rank,
             parallel_config.data_parallel_size,
-            self.balance_stats,
+            self.stats,
         )
-        # The group the buffer is sized for; until one is handed over, the config's size (the
-        # simulator and tests fill the buffer without a group).
-        self._gather_group: Any = None
-        self._reset_gathered(parallel_config.data_parallel_size, parallel_config.data_parallel_rank)
+        self.group: Any = None  # vLLM's DP group, once the engine core hands it over
+        self._reset(parallel_config.data_parallel_size, parallel_config.data_parallel_rank)
 
-    def _reset_gathered(self, dp_size: int, dp_rank: int) -> None:
-        """A zeroed buffer for ``dp_size`` ranks, and the state counted from gathered vectors.
+    def _reset(self, dp_size: int, dp_rank: int) -> None:
+        """A zeroed buffer for ``dp_size`` ranks, and the state counted from gathered counts.
 
         The first step on a new DP group is decided as the first step after start-up: open on
         every rank, as no count has been gathered on that group yet (docs/design.md, "When the
         DP group changes, pauses or faults").
         """
-        self._dp_size, self._dp_rank = dp_size, dp_rank
-        # [1]-shaped views of one buffer: the gate reads every rank's count in one max().
-        self._gathered = torch.zeros(dp_size if self._all_gather else 1, dtype=torch.int32)
-        self.balance_queue = list(self._gathered.split(1))
-        self._gathered_views = tuple(self.balance_queue)
+        self.dp_size, self.dp_rank = dp_size, dp_rank
+        self._buffer = torch.zeros(dp_size if self.all_gather else 1, dtype=torch.int32)
+        self._buffer_views = list(self._buffer.split(1))  # all_gather's output list
+        self.leader = 0  # the largest count gathered last: the gate's input
         self._frozen_streak = 0
         self._release_next_step = False
-        self.balance_stats.last_gathered = []
-        self._gather_watchdog.follow(dp_rank, dp_size)
+        self.stats.last_gathered = []
+        self.watchdog.follow(dp_rank, dp_size)
 
-    def follow_dp_group(self, group: Any) -> None:
+    def follow_group(self, group: Any) -> None:
         """Gather on ``group`` from now on, sized and ranked by it.
 
         vLLM replaces its DP group object, with a new size and rank, on an elastic-EP resize
         (``ElasticEPScalingState._commit_new_dp_group``), and with a rebuilt one on a
         fault-tolerance ``retry`` (``EngineCoreSentinel``'s group re-init), and keeps the
         scheduler; the engine core hands each group over as vLLM assigns it, so the next
-        ``schedule()`` already reads a zeroed buffer of the new group
+        ``schedule()`` already reads the zeroed counts of the new group
         (``BalanceDPEngineCoreProc.dp_group``), not the counts gathered before the fault.
         """
-        self.dp_group = group
-        if self._balance_enabled and group is not None and group is not self._gather_group:
-            self._gather_group = group
-            self._reset_gathered(group.size(), group.rank())
+        if group is not None and group is not self.group:
+            self._reset(group.size(), group.rank())
+        self.group = group
 
-    def balance_gather(self) -> None:
-        """All-gather ``len(self.running)`` into ``balance_queue``; no-op when disabled/no group.
+    def leader_at_cap(self) -> bool:
+        """Contract 1: some rank was at the cap at the end of the previous step (``==``, not
+        ``>= cap - 1``: docs/design.md, "The cap")."""
+        return self.leader == self.cap
 
-        The watchdog reports a gather a peer never enters (docs/operations.md, "A blocked gather").
-        A rank paused with ``mode="keep"`` contributes 0, as vLLM's own DP sync counts it
-        (``get_num_unfinished_requests()`` is 0 under ``PAUSED_ALL``): it schedules no token, so
-        its full slots must not freeze the ranks that run.
+    def start_step(self, request_counts: Callable[[], tuple[int, int]]) -> bool:
+        """This step's decision, made once when ``schedule()`` starts: whether it is frozen.
+
+        ``request_counts`` is upstream's ``get_request_counts`` (its waiting queues differ
+        between releases), asked only on a frozen step, for the deferred-admissions counter.
         """
-        if not self._balance_enabled or self.dp_group is None:
+        at_cap = self.leader_at_cap()
+        released = at_cap and self._release_next_step
+        self.frozen = frozen = at_cap and not released
+        self.deferred = False
+        num_waiting = request_counts()[1] if frozen else 0
+        self.stats.record_step(frozen, released, num_waiting, self.dp_rank)
+        self._periodic_log.maybe_log(self.stats, self.dp_rank)
+        return frozen
+
+    def gather(self, running: int) -> None:
+        """All-gather ``running`` (the mixin's count: ``len(self.running)``, 0 while paused with
+        ``mode="keep"``) on the DP group; nothing before the engine core hands a group over.
+
+        The watchdog reports a gather a peer never enters (docs/operations.md, "A blocked
+        gather").
+        """
+        group = self.group
+        if group is None:
             return
-        if self.dp_group is not self._gather_group:  # set directly, not through follow_dp_group
-            self.follow_dp_group(self.dp_group)
-        watchdog = self._gather_watchdog
+        watchdog = self.watchdog
         if watchdog.unstarted:
             watchdog.start_for(self)
-        reduced = None
-        running = len(self.running)
-        if running and PAUSED_ALL is not None and self.pause_state == PAUSED_ALL:
-            running = 0  # paused with mode="keep": it runs nothing
         watchdog.raised = None
         watchdog.started = started = time.monotonic()
         try:
-            if self._gather_timeout is not None:
-                reduced = self._gather_within(running, self._gather_timeout)
-            elif self._all_gather:
-                running_count = torch.tensor([running], dtype=torch.int32)
-                dist.all_gather(self.balance_queue, running_count, group=self.dp_group)
+            if self.all_gather:
+                payload = torch.tensor([running], dtype=torch.int32)
+                if self._timeout is None:
+                    dist.all_gather(self._buffer_views, payload, group=group)
+                else:
+                    self._all_gather_within(payload, self._timeout)
             else:
-                reduced = collective.reduce_running(running, self.dp_group)
-                self.set_gathered([reduced.maximum])
+                reduced = collective.reduce_running(running, group, self._timeout or NO_TIMEOUT)
         except BaseException as exc:
             watchdog.gather_raised(exc)  # logged as "failed", by the watchdog
             raise
         finally:
             watchdog.started = None
-        self.balance_stats.gather_seconds += time.monotonic() - started
-        self.observe_gathered(reduced)
+        self.stats.gather_seconds += time.monotonic() - started
+        if self.all_gather:
+            self.set_gathered(self._buffer.tolist())
+        else:
+            self.stats.record_reduced(*reduced, self.dp_size)
+            self._count_streak(reduced.maximum)
 
-    def _gather_within(self, running: int, timeout: timedelta) -> collective.Reduced | None:
-        """The same collective, same group and payload, failing after ``timeout`` with a
+    def _all_gather_within(self, payload: torch.Tensor, timeout: timedelta) -> None:
+        """The same all_gather, same group and payload, failing after ``timeout`` with a
         ``RuntimeError`` from gloo (``gather_timeout_under_fault_tolerance``).
 
         The timeout is this operation's own (gloo's per-operation option, a wait bound on each
         point-to-point message), not the group's default: vLLM's own collectives on its DP group
         keep the timeouts vLLM gives them.
         """
-        if self._all_gather:
-            options = AllgatherOptions()
-            options.timeout = timeout
-            running_count = torch.tensor([running], dtype=torch.int32)
-            self.dp_group.allgather([self.balance_queue], [running_count], options).wait()
-            return None
-        reduced = collective.reduce_running(running, self.dp_group, timeout)
-        self.set_gathered([reduced.maximum])
-        return reduced
+        options = AllgatherOptions()
+        options.timeout = timeout
+        self.group.allgather([self._buffer_views], [payload], options).wait()
 
-    def set_gathered(self, counts: list[int] | torch.Tensor) -> None:
-        """Write gathered counts (or the reduction's maximum alone) where the gate reads them."""
-        self._gathered.copy_(torch.as_tensor(counts, dtype=torch.int32))
-        self.balance_queue = list(self._gathered_views)
+    def set_gathered(self, counts: Sequence[int]) -> None:
+        """The gather's second half: every rank's count arrived (one per rank, in rank order).
 
-    def observe_gathered(self, reduced: collective.Reduced | None = None) -> None:
-        """Stats and the bounded hold's streak, after each gather (the sim calls it too).
+        What the gate reads at the next ``start_step()``, the statistics and the bounded hold's
+        streak. ``gather()`` calls it; a simulator or test without a DP group calls it in its
+        place, with as many counts as its scenario has ranks.
+        """
+        self.stats.record_gather(list(counts))
+        self._count_streak(max(counts))
+
+    def _count_streak(self, leader: int) -> None:
+        """The gate's input and the bounded hold's streak, after each gather.
 
         The streak is counted here, where every rank sees the same data, not in ``schedule()``,
         which a drained rank never enters (lesson A).
         """
-        if reduced is None:
-            self.balance_stats.record_gather(self.gathered_vector().tolist())
-        else:
-            self.balance_stats.record_reduced(*reduced, self._dp_size)
+        self.leader = leader
         if self._max_frozen_steps is not None:
             at_cap = self.leader_at_cap()
             self._frozen_streak = self._frozen_streak + 1 if at_cap else 0
             self._release_next_step = self._frozen_streak > self._max_frozen_steps
             if self._release_next_step:
                 self._frozen_streak = 0
-
-    def gathered_vector(self) -> torch.Tensor:
-        """``balance_queue`` as one tensor: the buffer itself while it holds the buffer's views
-        (free), else a concatenation of what was put there (~1,300 instructions at DP=256)."""
-        queue, views = self.balance_queue, self._gathered_views
-        if len(queue) == len(views) and all(map(operator.is_, queue, views)):
-            return self._gathered
-        return torch.cat(queue)

@@ -1,10 +1,9 @@
 """BalanceScheduler: vLLM's scheduler plus a global admission gate, on the seam.
 
 The engine core calls ``balance_gather()`` once per active step (never ``schedule()``: lessons A
-and B in docs/design.md; the gather itself is ``shim/gather.py``); when the largest gathered
-``len(self.running)`` **equals** the cap, no rank admits WAITING requests this step. ``==``, not
-``>= cap - 1`` (a TTFT regression in vllm-ascend): docs/design.md, "The behaviour contract" and
-"The cap".
+and B in docs/design.md); when the largest gathered ``len(self.running)`` **equals** the cap, no
+rank admits WAITING requests this step. The counts, the decision and the gather are the
+scheduler's one ``BalanceGate`` (``shim/gather.py``); the mixin keeps what vLLM calls.
 """
 
 from __future__ import annotations
@@ -17,9 +16,14 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import SchedulerStats
 
 from vllm_balance.config import read_options
-from vllm_balance.shim.gather import RunningCountGather
-from vllm_balance.shim.metrics import BalanceMetrics
-from vllm_balance.shim.stats import PeriodicLog
+from vllm_balance.shim.gather import BalanceGate
+
+try:  # pause_scheduler(mode="keep"); feature detection, not a version
+    from vllm.v1.core.sched.interface import PauseState
+
+    PAUSED_ALL: Any = PauseState.PAUSED_ALL
+except ImportError:  # a vLLM without scheduler pause states
+    PAUSED_ALL = None
 
 if TYPE_CHECKING:  # what the mixin is put in front of, so that super() calls type-check
     from vllm.config import VllmConfig
@@ -28,16 +32,20 @@ else:
     _SchedulerBase = object
 
 
-class BalanceSchedulerMixin(RunningCountGather, _SchedulerBase):
-    """Balance state and gate; mixed in front of ``Scheduler`` or ``AsyncScheduler``.
+class BalanceSchedulerMixin(_SchedulerBase):
+    """Balance on vLLM's scheduler; mixed in front of ``Scheduler`` or ``AsyncScheduler``.
 
-    The gate reads ``balance_queue`` once, when ``schedule()`` starts: whatever the gather (or a
-    test, or the simulator through ``set_gathered()``) put there last.
+    It adds one attribute to vLLM's scheduler, ``balance_gate`` (``None``: balance off, nothing
+    allocated, every override upstream's own), so that no upstream rename can collide with a
+    second one. ``gate_class`` is what a variant of the gate replaces (the simulator's policies).
     """
 
-    # Upstream attributes the gate reads, on every supported release (test_upstream_surface.py).
+    gate_class: type[BalanceGate] = BalanceGate
+    # Upstream attributes read here, on every supported release (test_upstream_surface.py).
     max_num_running_reqs: int
     prefill_capacity_bound: bool
+    running: list
+    pause_state: Any  # where PAUSED_ALL exists
     if TYPE_CHECKING:
 
         def get_request_counts(self) -> tuple[int, int]: ...
@@ -45,55 +53,56 @@ class BalanceSchedulerMixin(RunningCountGather, _SchedulerBase):
     def __init__(self, vllm_config: VllmConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         options = read_options(vllm_config)  # None: balance off
-        self._balance_enabled = options is not None
-        self._balance_metrics: BalanceMetrics | None = None
-        self.dp_group: Any = None
-        self.admission_frozen = False
-        self.admission_deferred = False  # this step's gate stopped a fresh admission
+        self.balance_gate: BalanceGate | None = None
         if options is not None:
             # Feature detection, not a version: the admission limit the WAITING loop stops at.
-            self.balance_cap: int = getattr(self, "max_num_active_reqs", self.max_num_running_reqs)
-            self._balance_metrics = BalanceMetrics()
-            self._periodic_log = PeriodicLog(options.log_interval_s, self._balance_metrics)
-            self._init_gather(options, vllm_config.parallel_config)
+            cap = getattr(self, "max_num_active_reqs", self.max_num_running_reqs)
+            self.balance_gate = self.gate_class(options, vllm_config.parallel_config, cap)
 
-    def leader_at_cap(self) -> bool:
-        """Contract 1: some rank was at the cap at the end of the previous step."""
-        return int(self.gathered_vector().max()) == self.balance_cap
+    def follow_dp_group(self, group: Any) -> None:
+        """The engine core hands over each DP group vLLM assigns (``BalanceGate.follow_group``)."""
+        if self.balance_gate is not None:
+            self.balance_gate.follow_group(group)
+
+    def balance_gather(self) -> None:
+        """The engine core's once-per-active-step gather of ``len(self.running)``.
+
+        A rank paused with ``mode="keep"`` contributes 0, as vLLM's own DP sync counts it
+        (``get_num_unfinished_requests()`` is 0 under ``PAUSED_ALL``): it schedules no token, so
+        its full slots must not freeze the ranks that run.
+        """
+        gate = self.balance_gate
+        if gate is None:
+            return
+        running = len(self.running)
+        if running and PAUSED_ALL is not None and self.pause_state == PAUSED_ALL:
+            running = 0
+        gate.gather(running)
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        if self._balance_enabled:
-            frozen = self.leader_at_cap()
-            released = frozen and self._release_next_step
-            self.admission_frozen = frozen and not released
-            # Upstream's own count: its waiting queues differ between releases.
-            num_waiting = self.get_request_counts()[1] if self.admission_frozen else 0
-            self.balance_stats.record_step(
-                self.admission_frozen, released, num_waiting, self._dp_rank
-            )
-            self._periodic_log.maybe_log(self.balance_stats, self._dp_rank)
-            if self.admission_frozen:
-                return self._held_schedule(throttle_prefills)
+        gate = self.balance_gate
+        if gate is not None and gate.start_step(self.get_request_counts):
+            return self._held_schedule(gate, throttle_prefills)
         return super().schedule(throttle_prefills)
 
-    def _held_schedule(self, throttle_prefills: bool) -> SchedulerOutput:
+    def _held_schedule(self, gate: BalanceGate, throttle_prefills: bool) -> SchedulerOutput:
         """A frozen step: upstream's, but a step the gate held records nothing for vLLM's prefill
         cadence (a hold is policy, not capacity: docs/design.md, Phase 2B, "a hold is not a
         capacity limit")."""
         capacity_bound = self.prefill_capacity_bound
-        output, self.admission_deferred = self._hold_and_schedule(throttle_prefills)
-        if self.admission_deferred:
+        output, gate.deferred = self._hold_and_schedule(throttle_prefills)
+        if gate.deferred:
             self.prefill_capacity_bound = capacity_bound
         return output
 
     def _hold_and_schedule(self, throttle_prefills: bool) -> tuple[SchedulerOutput, bool]:
         """Upstream's step under this path's hold, and whether the hold stopped an admission.
 
-        Here the seam (or a gate inlined where the seam is called) holds and records it; a path
-        that holds another way (the pause-state hold) overrides this."""
-        self.admission_deferred = False
+        Here the seam (or a gate inlined where the seam is called) holds and records it in
+        ``deferred``; a path that holds another way (the pause-state hold) overrides this."""
         output = self._upstream_schedule(throttle_prefills)
-        return output, self.admission_deferred
+        assert self.balance_gate is not None  # only a frozen step gets here
+        return output, self.balance_gate.deferred
 
     def _upstream_schedule(self, throttle_prefills: bool) -> SchedulerOutput:
         return super().schedule(throttle_prefills)
@@ -102,17 +111,19 @@ class BalanceSchedulerMixin(RunningCountGather, _SchedulerBase):
         """Upstream's stats; after a publish, carrying its counters to the API server
         (shim/metrics.py). Arguments as upstream's, whose signature differs between releases."""
         stats = super().make_stats(*args, **kwargs)
-        metrics = self._balance_metrics
-        if metrics is None or not metrics.pending or stats is None:
+        gate = self.balance_gate
+        if gate is None or not gate.metrics.pending or stats is None:
             return stats
-        return metrics.attach(stats)
+        return gate.metrics.attach(stats)
 
     def _should_stop_admitting_waiting(self) -> bool:
         """The seam: called after upstream's own slot check, before a fresh request (0.31+:
         KV-holders drain first); records that the gate stopped one (docs/design.md, Phase 2B)."""
-        if self.admission_frozen:
-            self.admission_deferred = True
-        return self.admission_frozen
+        gate = self.balance_gate
+        if gate is None or not gate.frozen:
+            return False
+        gate.deferred = True
+        return True
 
 
 class BalanceScheduler(BalanceSchedulerMixin, Scheduler):

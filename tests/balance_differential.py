@@ -4,25 +4,25 @@ One generated :class:`Workload` is run by ``lockstep`` (the engine both differen
 two real schedulers built from the same ``VllmConfig``: upstream's ``Scheduler`` (the reference,
 :class:`GateOracle`) and ``vllm_balance.BalanceScheduler`` (:class:`Ours`: the class the installed
 vLLM gets, shim on a seamed vLLM, compat otherwise). What this module adds to the common engine
-step: ``balance_queue`` set before ``schedule()`` or, where the mode says so, ``balance_gather()``
+step: the gathered counts set before ``schedule()`` (``balance_gate.set_gathered()``) or, where
+the mode says so, ``balance_gather()``
 called after the step (the engine core's position: after the step, before the next
 ``schedule()``) and checked; the reference's admission frozen where the vector holds the cap.
 The first difference raises :class:`Divergence` naming the step and the field path.
 
-Modes (what ``balance_queue`` holds and what the reference is):
+Modes (what the gate reads and what the reference is):
 
-- ``gate_open``: contract 2. ``balance_queue`` is set each step to a scripted vector whose largest
+- ``gate_open``: contract 2. The counts are set each step to a scripted vector whose largest
   entry is below the cap; the reference is plain upstream.
-- ``oracle_queue``: the gate. ``balance_queue`` is set each step to a scripted vector that may hold
+- ``oracle_queue``: the gate. The counts are set each step to a scripted vector that may hold
   the cap; the reference is :class:`GateOracle` (upstream, admission cut on frozen steps).
 - ``oracle_gather``: the gate fed through the real ``balance_gather()``: the other ranks' counts
   are scripted, this rank's slot is whatever it sends (contract 3: payload ``len(running)``, one
   ``all_gather`` per step, on the injected group); the oracle computes the same vector from the
   reference's own ``len(running)``.
-- ``disabled``: contract 4. Balance off, a DP group injected and ``balance_gather()`` called every
-  step anyway, and ``balance_queue`` set each step to a scripted vector that may hold the cap (as a
-  tool could set the public state): outputs equal upstream's, no ``all_gather`` ever, the
-  constructor allocates no ``balance_queue`` and nothing replaces the one the harness set.
+- ``disabled``: contract 4. Balance off, a DP group handed over and ``balance_gather()`` called
+  every step anyway, while the reference's scripted vector may hold the cap: outputs equal
+  upstream's, no ``all_gather`` ever, and the constructor builds no ``balance_gate``.
 
 What is not generated, and why: remote-KV waits (``WAITING_FOR_REMOTE_KVS`` needs a KV connector
 whose worker side reports finished transfers; none runs on CPU without writing one), LoRA
@@ -160,7 +160,7 @@ class OtherRanks:
         self.calls.append((int(tensor.item()), group))
         counts = list(self.others)
         counts.insert(self.rank, int(tensor.item()))
-        assert len(tensor_list) == len(counts), "balance_queue is not one tensor per DP rank"
+        assert len(tensor_list) == len(counts), "the gather's buffer is not one per DP rank"
         for out, count in zip(tensor_list, counts):
             out.copy_(torch.tensor([count], dtype=out.dtype))
 
@@ -199,7 +199,7 @@ class DPGroup:
 
 
 class Ours(Side):
-    """BalanceScheduler: ``balance_queue`` set before each ``schedule()`` or gathered after it."""
+    """BalanceScheduler: its counts set before each ``schedule()`` or gathered after it."""
 
     def __init__(self, workload: Workload, mode: str, stand_in: OtherRanks) -> None:
         super().__init__(
@@ -211,14 +211,12 @@ class Ours(Side):
         )
         self.workload, self.mode, self.stand_in = workload, mode, stand_in
         if mode in ("oracle_gather", "disabled"):
-            self.scheduler.dp_group = stand_in.group
+            self.scheduler.follow_dp_group(stand_in.group)
 
     def before_schedule(self, step_index: int) -> None:
-        if self.mode != "oracle_gather":
-            factories.set_gathered(
-                self.scheduler, self.workload.vector(step_index, self.workload.dp_size)
-            )
-            self.delivered = self.scheduler.balance_queue
+        if self.mode not in ("oracle_gather", "disabled"):
+            vector = self.workload.vector(step_index, self.workload.dp_size)
+            self.scheduler.balance_gate.set_gathered(vector)
 
     def after_step(self, step_index: int) -> str | None:
         if self.mode not in ("oracle_gather", "disabled"):
@@ -230,8 +228,6 @@ class Ours(Side):
         if self.mode == "disabled":
             if calls:
                 return f"balance off, yet all_gather {calls}"
-            if getattr(self.scheduler, "balance_queue", None) is not self.delivered:
-                return "balance off, yet balance_queue was replaced"
             return None
         # Contract 3: one all_gather per engine step, payload len(running), our group.
         want = [(len(self.scheduler.running), self.stand_in.group)]
@@ -272,7 +268,7 @@ class GateOracle(Side):
             factories.make_scheduler(vllm_config=vllm_config(workload, mode != "disabled")),
         )
         self.workload, self.mode = workload, mode
-        # Before the first gather, balance_queue is the constructor's zeros (nobody at the cap).
+        # Before the first gather, the gate reads the constructor's zeros (nobody at the cap).
         self.gathered = [0] * workload.dp_size
 
     def before_schedule(self, step_index: int) -> None:
@@ -315,8 +311,8 @@ class GateOracle(Side):
                 found.add("frozen_with_room_and_waiting")
         elif output.scheduled_new_reqs:
             found.add("admitted")
-            if self.at_cap:  # balance off: a gate reading balance_queue would have frozen here
-                found.add("admitted_with_cap_in_balance_queue")
+            if self.at_cap:  # balance off: a gate reading the vector would have frozen here
+                found.add("admitted_with_cap_in_vector")
         return found
 
     def context(self) -> str:
@@ -330,8 +326,8 @@ def compare(workload: Workload, mode: str) -> Run:
     at the first step whose observation differs. Returns what the run reached."""
     stand_in = OtherRanks(group=DPGroup(workload.dp_size))
     sides = [GateOracle(workload, mode), Ours(workload, mode, stand_in)]
-    if mode == "disabled" and hasattr(sides[1].scheduler, "balance_queue"):
-        diverged(workload, 0, "balance off, yet BalanceScheduler allocated balance_queue")
+    if mode == "disabled" and sides[1].scheduler.balance_gate is not None:
+        diverged(workload, 0, "balance off, yet BalanceScheduler built a balance_gate")
     with collective(stand_in):
         return lockstep(workload, sides)
 

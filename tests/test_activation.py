@@ -195,7 +195,7 @@ def test_engine_core_warns_about_its_config_once(monkeypatch, caplog, fresh_once
     with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         assert activation.activate_for(config) is True
         scheduler = factories.make_scheduler(config.scheduler_config.scheduler_cls, config)
-    assert scheduler._balance_enabled
+    assert scheduler.balance_gate is not None
     assert caplog.text.count(f"{DEPRECATED_ENV_VAR} is deprecated") == 1, caplog.text
 
 
@@ -231,7 +231,6 @@ def test_async_scheduler_gets_balance_whatever_the_import_order(async_first):
     imports = ["import vllm.v1.core.sched.async_scheduler", "import vllm_balance.selection"]
     code = "\n".join(imports if async_first else imports[::-1]) + textwrap.dedent(
         """
-        import torch
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from balance_testbed import factories
         from vllm_balance.selection import balance_counterpart
@@ -240,7 +239,7 @@ def test_async_scheduler_gets_balance_whatever_the_import_order(async_first):
         s = factories.make_scheduler(cls, data_parallel_size=2, max_num_seqs=2,
                                      additional_config={"enable_balance_scheduling": True})
         factories.add_requests(s, factories.make_requests(3))
-        s.balance_queue = [torch.tensor([c], dtype=torch.int32) for c in (2, 0)]
+        s.balance_gate.set_gathered([2, 0])
         assert s.schedule().scheduled_new_reqs == [], "gate did not apply"
         print("OK", cls.__name__)
         """

@@ -60,7 +60,7 @@ def test_a_frozen_step_starts_no_async_load_and_admits_no_fresh_request(order):
     balance, upstream = scheduler(vllm_balance.BalanceScheduler), scheduler(enabled=False)
     ids = [arrive(s, ARRIVALS[order], start=0) for s in (balance, upstream)][0]
     assert balance.async_kv_waiting and balance.waiting  # one request in each fresh queue
-    factories.set_gathered(balance, [1, CAP])  # the other rank is at the cap
+    balance.balance_gate.set_gathered([1, CAP])  # the other rank is at the cap
     held, paused = balance.schedule(), upstream_paused_new(upstream)
     difference = factories.first_difference(factories.describe(held), factories.describe(paused))
     assert difference is None, difference
@@ -68,9 +68,9 @@ def test_a_frozen_step_starts_no_async_load_and_admits_no_fresh_request(order):
     for request_id in ids:  # no blocks allocated: neither was admitted, no load started
         assert balance.requests[request_id].status.name == "WAITING"
         assert not balance.kv_cache_manager.get_block_ids(request_id)[0]
-    assert balance.admission_deferred
+    assert balance.balance_gate.deferred
 
-    factories.set_gathered(balance, [1, 0])  # open: exactly upstream's step
+    balance.balance_gate.set_gathered([1, 0])  # open: exactly upstream's step
     opened, theirs = balance.schedule(), upstream.schedule()
     difference = factories.first_difference(factories.describe(opened), factories.describe(theirs))
     assert difference is None, difference
@@ -83,14 +83,14 @@ def test_a_finished_load_is_scheduled_on_a_frozen_step():
     balance, upstream = scheduler(vllm_balance.BalanceScheduler), scheduler(enabled=False)
     for s in (balance, upstream):
         arrive(s, ("kv",), start=0)
-    factories.set_gathered(balance, [0, 0])
+    balance.balance_gate.set_gathered([0, 0])
     for s in (balance, upstream):  # kv-0's load starts, then finishes
         output = s.schedule()
         s.update_from_output(
             output, load_finished(factories.model_runner_output(output, s), "kv-0")
         )
         arrive(s, ("kv", "req"), start=1)
-    factories.set_gathered(balance, [1, CAP])
+    balance.balance_gate.set_gathered([1, CAP])
     held, paused = balance.schedule(), upstream_paused_new(upstream)
     difference = factories.first_difference(factories.describe(held), factories.describe(paused))
     assert difference is None, difference

@@ -144,7 +144,7 @@ def test_the_report_renders_the_committed_groups_to_the_results_table():
     docs = Path(__file__).resolve().parents[1] / "docs"
     summary = json.loads((docs / "bench-emulated.json").read_text())
     results = {name: GroupResult.from_json(group) for name, group in summary["groups"].items()}
-    # The same layout back: summary.json's groups pass through the dataclasses unchanged.
+    # The same layout back: summary.json's groups pass through the typed results unchanged.
     assert {name: result.to_json() for name, result in results.items()} == summary["groups"]
     lines = results_table(summary["runs"], results)
     section = (docs / "results.md").read_text().split("## Emulated device, DP=4/8")[1]

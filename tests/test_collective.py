@@ -120,7 +120,8 @@ def side_by_side(dp: int, steps: int = 40, **additional) -> list[list[tuple]]:
     ]
     gather_groups, reduce_groups = gloo_groups(dp), gloo_groups(dp)
     for rank, (gathering, reducing) in enumerate(pairs):
-        gathering.dp_group, reducing.dp_group = gather_groups[rank], reduce_groups[rank]
+        gathering.follow_dp_group(gather_groups[rank])
+        reducing.follow_dp_group(reduce_groups[rank])
 
     def run(rank: int):
         gathering, reducing = pairs[rank]
@@ -133,7 +134,7 @@ def side_by_side(dp: int, steps: int = 40, **additional) -> list[list[tuple]]:
             difference = factories.first_difference(
                 factories.describe(ours), factories.describe(theirs)
             )
-            rows.append((gathering.admission_frozen, reducing.admission_frozen, difference))
+            rows.append((gathering.balance_gate.frozen, reducing.balance_gate.frozen, difference))
             gathering.balance_gather()
             reducing.balance_gather()
         return rows
@@ -175,7 +176,8 @@ def test_statistics_are_the_same_under_both_collectives():
         (rank_scheduler(3, "all_gather"), rank_scheduler(3, "recursive_doubling")) for _ in counts
     ]
     for rank, (gathering, reducing) in enumerate(pairs):
-        gathering.dp_group, reducing.dp_group = groups_a[rank], groups_b[rank]
+        gathering.follow_dp_group(groups_a[rank])
+        reducing.follow_dp_group(groups_b[rank])
         for scheduler in (gathering, reducing):
             factories.add_requests(scheduler, factories.make_requests(counts[rank], max_tokens=50))
             factories.step(scheduler)
@@ -186,10 +188,10 @@ def test_statistics_are_the_same_under_both_collectives():
 
     run_as_ranks(*(lambda r=r: gather(r) for r in range(3)))
     for gathering, reducing in pairs:
-        a, b = gathering.balance_stats, reducing.balance_stats
+        a, b = gathering.balance_gate.stats, reducing.balance_gate.stats
         fields = ("gathers", "gathered_max", "gathered_min", "gathered_mean", "largest_gap")
         assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
         assert (a.gathered_max, a.gathered_min, a.last_gathered) == (CAP, 1, counts)
         assert b.last_gathered == []  # no per-rank counts: the watchdog says max and min instead
-        assert [int(t) for t in reducing.balance_queue] == [CAP]
-        assert reducing.leader_at_cap() and gathering.leader_at_cap()
+        assert reducing.balance_gate.leader == gathering.balance_gate.leader == CAP
+        assert reducing.balance_gate.leader_at_cap() and gathering.balance_gate.leader_at_cap()

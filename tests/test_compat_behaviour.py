@@ -27,7 +27,6 @@ from balance_testbed.factories import (
     make_request,
     make_scheduler,
     request_specs,
-    set_gathered,
     step,
 )
 from vllm_balance.compat.scheduler import CompatBalanceAsyncScheduler, CompatBalanceScheduler
@@ -60,7 +59,7 @@ def start_with_two_running(upstream_cls, compat_cls, async_scheduling):
         upstream_cls, compat_cls, ENABLED, async_scheduling=async_scheduling
     )
     add_to_both((upstream, compat), request_specs(2))
-    set_gathered(compat, [0, 0])
+    compat.balance_gate.set_gathered([0, 0])
     (upstream_output, _), (compat_output, _) = step(upstream), step(compat)
     assert new_ids(upstream_output) == new_ids(compat_output) == ["req-0", "req-1"]
     add_to_both((upstream, compat), request_specs(4, start=2))
@@ -70,7 +69,7 @@ def start_with_two_running(upstream_cls, compat_cls, async_scheduling):
 def test_async_compat_scheduler_freezes_at_cap_and_admits_like_upstream_below():
     """The derived body under AsyncScheduler (tests/test_contract.py runs the sync class)."""
     upstream, compat = start_with_two_running(AsyncScheduler, CompatBalanceAsyncScheduler, True)
-    set_gathered(compat, [CAP, 0])  # the other rank is at the cap; this one is not
+    compat.balance_gate.set_gathered([CAP, 0])  # the other rank is at the cap; this one is not
     upstream_output, compat_output = upstream.schedule(), compat.schedule()
     assert new_ids(upstream_output) == ["req-2", "req-3"]
     assert new_ids(compat_output) == []
@@ -79,7 +78,7 @@ def test_async_compat_scheduler_freezes_at_cap_and_admits_like_upstream_below():
     assert len(compat.waiting) == 4
 
     upstream, compat = start_with_two_running(AsyncScheduler, CompatBalanceAsyncScheduler, True)
-    set_gathered(compat, [CAP - 1, 0])
+    compat.balance_gate.set_gathered([CAP - 1, 0])
     # Not "catch up to the leader": this rank fills to its own cap, past the leader's CAP - 1.
     assert repr(compat.schedule()) == repr(upstream.schedule())
 

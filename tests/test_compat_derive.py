@@ -163,16 +163,16 @@ def test_drift_comparison_catches_one_more_change():
 def test_derived_schedule_is_the_seamed_schedule_with_the_gate_inlined():
     """Compat gives exactly the shim's behaviour: the derived schedule() is the seam series'
     schedule() for this release (upstream_patch/) with the seam's call read as the gate (the
-    shim's override: ``admission_frozen``, recorded in ``admission_deferred``), less delta 1
+    shim's override: ``balance_gate.frozen``, recorded in ``balance_gate.deferred``), less delta 1
     (balance off runs upstream's own) and delta 3 (an assert that real state never trips)."""
     from balance_testbed.seam_patch import SEAM_METHOD, match_series, scheduler_text
 
     source = inspect.getsource(scheduler_module)
     seamed = scheduler_text(source, match_series(source, vllm.__version__).series)
     expected = normalized_dump(derive.find_schedule(ast.parse(seamed), "seamed"))
-    derived = generated_source().replace("self.admission_frozen", f"self.{SEAM_METHOD}()")
-    assert derived.count("self.admission_deferred = True") == 1
-    derived = re.sub(r"\n *self\.admission_deferred = True", "", derived)
+    derived = generated_source().replace("self.balance_gate.frozen", f"self.{SEAM_METHOD}()")
+    assert derived.count("self.balance_gate.deferred = True") == 1
+    derived = re.sub(r"\n *self\.balance_gate\.deferred = True", "", derived)
     fn = generated_schedule_ast(derived)
     disabled, no_queue = delta_dump(DELTA_DISABLED_PATH), delta_dump(DELTA_NO_QUEUE)
     for node in ast.walk(fn):

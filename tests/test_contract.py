@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 import torch.distributed as dist
 from async_kv_connector import kv_transfer_config, load_finished
 from conftest import session_has_seam
@@ -69,7 +68,7 @@ def test_session_runs_the_path_its_seam_flag_says():
 
 def test_contract1_leader_at_cap_freezes_admission_on_this_rank():
     scheduler = with_waiting(balance_scheduler())
-    factories.set_gathered(scheduler, [0, CAP])
+    scheduler.balance_gate.set_gathered([0, CAP])
     out = scheduler.schedule()
     assert admitted(out) == [] and out.total_num_scheduled_tokens == 0
     assert len(scheduler.waiting) == 6
@@ -77,7 +76,7 @@ def test_contract1_leader_at_cap_freezes_admission_on_this_rank():
 
 def test_contract1_leader_at_cap_minus_one_does_not_freeze():
     scheduler = with_waiting(balance_scheduler())
-    factories.set_gathered(scheduler, [0, CAP - 1])
+    scheduler.balance_gate.set_gathered([0, CAP - 1])
     upstream = with_waiting(upstream_scheduler())
     assert (
         admitted(scheduler.schedule())
@@ -89,66 +88,48 @@ def test_contract1_leader_at_cap_minus_one_does_not_freeze():
 def test_contract1_is_not_catch_up_to_the_leader():
     # Leader at cap-1: "catch up" would cap this rank at 3; the contract admits up to the cap.
     scheduler = with_waiting(balance_scheduler())
-    factories.set_gathered(scheduler, [0, CAP - 1])
+    scheduler.balance_gate.set_gathered([0, CAP - 1])
     assert len(admitted(scheduler.schedule())) == CAP
 
 
 def test_contract1_freeze_applies_to_every_rank_with_the_same_vector():
     ranks = [with_waiting(balance_scheduler(dp_size=3)) for _ in range(3)]
     for scheduler in ranks:
-        factories.set_gathered(scheduler, [1, CAP, 0])
+        scheduler.balance_gate.set_gathered([1, CAP, 0])
     assert [admitted(s.schedule()) for s in ranks] == [[], [], []]
 
 
 def test_contract1_frozen_rank_keeps_decoding_its_running_requests():
     scheduler = with_waiting(balance_scheduler(), n=2)
-    factories.set_gathered(scheduler, [0, 0])
+    scheduler.balance_gate.set_gathered([0, 0])
     factories.step(scheduler)
     with_waiting(scheduler, n=2, start=2)
-    factories.set_gathered(scheduler, [2, CAP])
+    scheduler.balance_gate.set_gathered([2, CAP])
     out = scheduler.schedule()
     assert admitted(out) == []
     assert out.num_scheduled_tokens == {"req-0": 1, "req-1": 1}
 
 
-def test_contract1_gate_is_decided_once_per_step_from_balance_queue():
+def test_contract1_gate_is_decided_once_per_step_from_the_gathered_counts():
     scheduler = with_waiting(balance_scheduler())
-    factories.set_gathered(scheduler, [CAP, 0])
+    scheduler.balance_gate.set_gathered([CAP, 0])
     scheduler.schedule()
-    assert scheduler.admission_frozen is True
-    factories.set_gathered(scheduler, [0, 0])  # tools may set balance_queue directly between steps
+    assert scheduler.balance_gate.frozen is True
+    scheduler.balance_gate.set_gathered([0, 0])
     assert admitted(scheduler.schedule()) == [f"req-{i}" for i in range(CAP)]
-    assert scheduler.admission_frozen is False
+    assert scheduler.balance_gate.frozen is False
 
 
-def test_contract1_gate_reads_what_balance_queue_holds_not_a_stale_buffer():
-    """balance_queue's tensors view one buffer (the gate's fast path): writes in place reach it;
-    an element replaced or appended by a test or tool must not be hidden behind it."""
-    scheduler = balance_scheduler(dp_size=4)
-    queue = scheduler.balance_queue
-    view = queue[0]  # the reduction's balance_queue has one entry
-    view.fill_(CAP)  # in place, as the gather writes
-    assert scheduler.leader_at_cap() is True
-    queue[0] = torch.tensor([CAP - 1], dtype=torch.int32)  # the buffer still holds CAP
-    assert scheduler.leader_at_cap() is False
-    queue[0] = view
-    view.fill_(0)
-    assert scheduler.leader_at_cap() is False
-    queue.append(torch.tensor([CAP], dtype=torch.int32))
-    assert scheduler.leader_at_cap() is True
-
-
-def test_contract1_set_gathered_puts_the_gate_back_on_the_gather_buffer(balance_collective):
-    """set_gathered() (the simulator's gather) writes what the gate reads, even after a list
-    replaced balance_queue: the reduction delivers the largest count alone."""
-    scheduler = balance_scheduler()
-    factories.set_gathered(scheduler, [0, 0])
-    counts = [0, CAP] if balance_collective == "all_gather" else [CAP]
-    scheduler.set_gathered(counts)
-    assert [int(t) for t in scheduler.balance_queue] == counts
-    assert scheduler.leader_at_cap() is True
-    scheduler.set_gathered([0] * len(counts))
-    assert scheduler.leader_at_cap() is False
+def test_contract1_each_scheduler_owns_its_balance_state():
+    """Two ranks in one process (the simulator's, a test's): counts set on one never reach the
+    other, nor do its statistics. Negative control: the mutation run's
+    ``balance_state_shared_between_schedulers``."""
+    leader, other = (with_waiting(balance_scheduler()) for _ in range(2))
+    leader.balance_gate.set_gathered([0, CAP])
+    other.balance_gate.set_gathered([0, 0])
+    assert admitted(leader.schedule()) == []
+    assert admitted(other.schedule()) == [f"req-{i}" for i in range(CAP)]
+    assert (leader.balance_gate.stats.frozen_steps, other.balance_gate.stats.frozen_steps) == (1, 0)
 
 
 def has_admission_limit() -> bool:
@@ -173,8 +154,8 @@ ADMISSION_LIMITS = pytest.mark.parametrize(
 def test_contract1_cap_is_the_admission_limit_upstream_stops_at(limit):
     # max_num_seqs stays CAP; the WAITING loop (and the seam's default) stops at `limit`.
     scheduler = with_waiting(balance_scheduler(max_num_active_seqs=limit))
-    assert scheduler.balance_cap == scheduler.max_num_active_reqs == limit
-    factories.set_gathered(scheduler, [0, limit])
+    assert scheduler.balance_gate.cap == scheduler.max_num_active_reqs == limit
+    scheduler.balance_gate.set_gathered([0, limit])
     assert admitted(scheduler.schedule()) == []
 
 
@@ -182,7 +163,7 @@ def test_contract1_cap_is_the_admission_limit_upstream_stops_at(limit):
 @ADMISSION_LIMITS
 def test_contract1_leader_below_the_admission_limit_admits_like_upstream(limit):
     balance = with_waiting(balance_scheduler(max_num_active_seqs=limit))
-    factories.set_gathered(balance, [0, limit - 1])
+    balance.balance_gate.set_gathered([0, limit - 1])
     upstream = with_waiting(upstream_scheduler(max_num_active_seqs=limit))
     expected = [f"req-{i}" for i in range(limit)]
     assert admitted(balance.schedule()) == admitted(upstream.schedule()) == expected
@@ -194,10 +175,10 @@ def test_contract1_rank_full_at_an_admission_limit_below_max_num_seqs_freezes_th
     # len(running) is what the gather carries, and it must freeze the other rank.
     limit = CAP - 1
     leader, other = (with_waiting(balance_scheduler(max_num_active_seqs=limit)) for _ in range(2))
-    factories.set_gathered(leader, [0, 0])
+    leader.balance_gate.set_gathered([0, 0])
     factories.step(leader)
     assert len(leader.running) == limit
-    factories.set_gathered(other, [len(leader.running), 0])
+    other.balance_gate.set_gathered([len(leader.running), 0])
     assert admitted(other.schedule()) == []
 
 
@@ -210,15 +191,15 @@ def test_contract1_frozen_step_does_not_lift_the_prefill_throttle():
     balance, upstream = balance_scheduler(), upstream_scheduler()
     for scheduler in (balance, upstream):
         with_waiting(scheduler, n=1)
-    factories.set_gathered(balance, [0, 0])
+    balance.balance_gate.set_gathered([0, 0])
     factories.step(balance), factories.step(upstream)  # req-0 decodes from here on
     for scheduler in (balance, upstream):
         with_waiting(scheduler, n=3, start=1)
-    factories.set_gathered(balance, [1, CAP])
+    balance.balance_gate.set_gathered([1, CAP])
     assert admitted(balance.schedule()) == []  # frozen: upstream has no such step
     assert balance.prefill_capacity_bound is upstream.prefill_capacity_bound is False
 
-    factories.set_gathered(balance, [1, 0])
+    balance.balance_gate.set_gathered([1, 0])
     # The throttled step defers prefill exactly as upstream's does, and the next one admits.
     assert admitted(balance.schedule(True)) == admitted(upstream.schedule(True)) == []
     expected = ["req-1", "req-2", "req-3"]
@@ -229,13 +210,13 @@ def test_contract1_leader_at_cap_records_capacity_bound_as_upstream_does():
     balance, upstream = balance_scheduler(), upstream_scheduler()
     for scheduler in (balance, upstream):
         with_waiting(scheduler, n=CAP)
-    factories.set_gathered(balance, [0, 0])
+    balance.balance_gate.set_gathered([0, 0])
     factories.step(balance), factories.step(upstream)  # both at the cap, nothing waiting
     for scheduler in (balance, upstream):
         with_waiting(scheduler, n=2, start=CAP)
     assert balance.prefill_capacity_bound is upstream.prefill_capacity_bound is False
 
-    factories.set_gathered(balance, [CAP, 0])  # this rank is the leader
+    balance.balance_gate.set_gathered([CAP, 0])  # this rank is the leader
     assert admitted(balance.schedule()) == admitted(upstream.schedule()) == []
     # Upstream's slot check stopped both before the gate: capacity-bound, as upstream records.
     assert balance.prefill_capacity_bound is upstream.prefill_capacity_bound is True
@@ -261,7 +242,7 @@ def kv_holder_beside_a_fresh_request(scheduler, gathered=(0, 0)):
         scheduler, factories.make_requests(1) + factories.make_requests(1, prefix="kv", start=1)
     )
     if gathered is not None:
-        factories.set_gathered(scheduler, list(gathered))
+        scheduler.balance_gate.set_gathered(list(gathered))
     output = scheduler.schedule()  # req-0 prefills; kv-1's load starts
     runner_output = factories.model_runner_output(output, scheduler)
     scheduler.update_from_output(output, load_finished(runner_output, "kv-1"))
@@ -286,7 +267,7 @@ def balance_on(path: str):
 @pytest.mark.parametrize("path", PATHS)
 def test_contract1_frozen_step_holds_new_requests_not_kv_holders(path):
     scheduler = kv_holder_beside_a_fresh_request(balance_on(path))
-    factories.set_gathered(scheduler, [1, CAP])
+    scheduler.balance_gate.set_gathered([1, CAP])
     out = scheduler.schedule()
     assert "req-2" not in out.num_scheduled_tokens
     assert scheduler.requests["req-2"].status.name == "WAITING"
@@ -300,7 +281,7 @@ def test_contract1_frozen_step_holds_new_requests_not_kv_holders(path):
         # One mixed waiting queue: the frozen step ends the loop, the load waits for an open one.
         assert admitted(out) == []
         assert kv_holder.status.name == "WAITING_FOR_REMOTE_KVS"
-        factories.set_gathered(scheduler, [1, 0])
+        scheduler.balance_gate.set_gathered([1, 0])
         assert "kv-1" in scheduler.schedule().num_scheduled_tokens
 
 
@@ -323,7 +304,7 @@ def test_contract1_frozen_step_is_the_same_on_every_path_and_upstreams_paused_ne
         scheduler = kv_holder_beside_a_fresh_request(
             balance_scheduler(cls=paths[path], kv_transfer_config=kv_transfer_config())
         )
-        factories.set_gathered(scheduler, [1, CAP])
+        scheduler.balance_gate.set_gathered([1, CAP])
         outputs[path] = factories.describe(scheduler.schedule())
     if "shim" in outputs and "compat" in outputs:
         difference = factories.first_difference(outputs["shim"], outputs["compat"])
@@ -345,7 +326,7 @@ def test_contract1_frozen_step_is_the_same_on_every_path_and_upstreams_paused_ne
 def run_side_by_side(balance, upstream, steps: int, gathered=None):
     for step_index in range(steps):
         if gathered is not None:
-            factories.set_gathered(balance, gathered)
+            balance.balance_gate.set_gathered(gathered)
         ours, _ = factories.step(balance)
         theirs, _ = factories.step(upstream)
         difference = factories.first_difference(
@@ -434,28 +415,28 @@ def test_contract3_one_all_gather_of_len_running_on_the_injected_group(
     monkeypatch.setattr(
         collective,
         "reduce_running",
-        lambda running, group: reductions.append((running, group)) or real_reduce(running, group),
+        lambda running, group, *timeout: (
+            reductions.append((running, group)) or real_reduce(running, group, *timeout)
+        ),
     )
     ranks = [with_waiting(balance_scheduler(), n=n) for n in (3, 1)]
     for scheduler in ranks:
-        factories.set_gathered(scheduler, [0, 0])
+        scheduler.balance_gate.set_gathered([0, 0])
         factories.step(scheduler)  # 3 and 1 running
     assert spy.calls == reductions == []  # schedule() never gathers (lesson A)
     groups = gloo_groups(2)
     for scheduler, group in zip(ranks, groups):
-        scheduler.dp_group = group
+        scheduler.follow_dp_group(group)
     run_as_ranks(*(s.balance_gather for s in ranks))
     calls = sorted(spy.calls or reductions, key=lambda c: c[0])
     assert calls == [(1, groups[1]), (3, groups[0])]
-    # The opt-in reduction instead of the all_gather, never both; balance_queue then holds the
-    # largest count, all the gate reads.
+    # The opt-in reduction instead of the all_gather, never both; it delivers the largest count,
+    # all the gate reads, and no per-rank vector.
     assert (spy.calls and reductions) == []
-    expected = [3, 1] if balance_collective == "all_gather" else [3]
+    vector = [3, 1] if balance_collective == "all_gather" else []
     for scheduler in ranks:
-        assert [int(t.item()) for t in scheduler.balance_queue] == expected
-        assert all(
-            t.dtype == torch.int32 and t.device.type == "cpu" for t in scheduler.balance_queue
-        )
+        gate = scheduler.balance_gate
+        assert (gate.leader, gate.stats.last_gathered) == (3, vector)
 
 
 def test_contract3_one_gather_per_active_step_between_vllm_dp_syncs():
@@ -484,26 +465,26 @@ def test_contract3_one_gather_per_active_step_between_vllm_dp_syncs():
     assert results[0] == results[1]
     synced = [step for step, running in enumerate(results[0], start=1) if not running]
     assert synced == [1, 4, 8]
-    assert [scheduler.balance_stats.gathers for scheduler in ranks] == [steps, steps]
+    assert [scheduler.balance_gate.stats.gathers for scheduler in ranks] == [steps, steps]
 
 
 def frozen_after_gather_with_rank0_paused(pause, monkeypatch, widened=False) -> list[bool]:
     """Rank 0 at the cap and paused by an operator, rank 1 below it; each rank's gate after one
     real gather. ``widened``: the wrong rule, every paused rank gathering 0."""
-    from vllm_balance.shim import gather
+    from vllm_balance.shim import scheduler as mixin
 
     ranks = [with_waiting(balance_scheduler(), n=n) for n in (CAP, 1)]
     for scheduler in ranks:
-        factories.set_gathered(scheduler, [0, 0])
+        scheduler.balance_gate.set_gathered([0, 0])
         factories.step(scheduler)  # CAP and 1 running
     ranks[0]._pause_state = pause  # as set_pause_state() sets it, without its log line
     for scheduler, group in zip(ranks, gloo_groups(2)):
-        scheduler.dp_group = group
+        scheduler.follow_dp_group(group)
     with monkeypatch.context() as patched:
         if widened:
-            patched.setattr(gather, "PAUSED_ALL", pause)
+            patched.setattr(mixin, "PAUSED_ALL", pause)
         run_as_ranks(*(s.balance_gather for s in ranks))
-    return [r.leader_at_cap() for r in ranks]
+    return [r.balance_gate.leader_at_cap() for r in ranks]
 
 
 def test_contract1_a_wait_paused_rank_at_the_cap_freezes_the_others_a_keep_paused_one_not(
@@ -511,11 +492,11 @@ def test_contract1_a_wait_paused_rank_at_the_cap_freezes_the_others_a_keep_pause
 ):
     """``/pause?mode=wait`` (``PAUSED_NEW``) still runs the rank's requests at the cap, so it
     gathers ``len(running)`` and every rank freezes; only ``mode="keep"`` (``PAUSED_ALL``), which
-    runs nothing, gathers 0 (shim/gather.py). Negative control: every paused rank gathering 0
+    runs nothing, gathers 0 (shim/scheduler.py). Negative control: every paused rank gathering 0
     un-freezes the wait case."""
-    from vllm_balance.shim import gather
+    from vllm_balance.shim import scheduler as mixin
 
-    if gather.PAUSED_ALL is None:
+    if mixin.PAUSED_ALL is None:
         pytest.skip("this vLLM has no scheduler pause states")
     from vllm.v1.core.sched.interface import PauseState
 
@@ -540,14 +521,25 @@ def test_contract3_gather_is_a_noop_until_a_group_is_injected(monkeypatch):
 def test_contract4_disabled_allocates_nothing_and_never_gathers(monkeypatch):
     spy = AllGatherSpy(monkeypatch)
     scheduler = with_waiting(balance_scheduler(enabled=False))
-    assert not hasattr(scheduler, "balance_queue")
+    assert scheduler.balance_gate is None
     [group] = gloo_groups(1)
-    scheduler.dp_group = group
+    scheduler.follow_dp_group(group)
     for _ in range(5):
         factories.step(scheduler)
         scheduler.balance_gather()
     assert spy.calls == []
-    assert not hasattr(scheduler, "balance_queue")
+    assert scheduler.balance_gate is None
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["on", "off"])
+def test_contract4_balance_adds_one_attribute_to_vllms_scheduler(enabled):
+    """All balance state is one object, ``balance_gate`` (None with balance off): no second
+    attribute for an upstream rename to collide with, nothing allocated when off. Negative
+    control: the mutation run's ``disabled_allocates_a_buffer``."""
+    scheduler = balance_scheduler(enabled=enabled)
+    upstream = factories.make_scheduler(vllm_config=scheduler.vllm_config)
+    assert set(vars(scheduler)) - set(vars(upstream)) == {"balance_gate"}
+    assert (scheduler.balance_gate is not None) is enabled
 
 
 def test_contract4_disabled_schedule_delegates_to_upstream(monkeypatch):

@@ -55,15 +55,17 @@ def test_contract2_gate_open_outputs_and_queues_equal_upstream_on_generated_work
 
 def test_contract4_disabled_equals_upstream_allocates_nothing_never_gathers():
     reached = check_property("disabled", at_cap=True, max_examples=30)
-    # balance_queue held the cap on steps where upstream admitted, and ours (equal to upstream on
-    # every step) admitted too: a gate that reads balance_queue with balance off would diverge.
-    assert "admitted_with_cap_in_balance_queue" in reached, reached
+    # The scripted vector held the cap on steps where upstream admitted, and ours (equal to
+    # upstream on every step) admitted too: a gate acting with balance off would diverge.
+    assert "admitted_with_cap_in_vector" in reached, reached
 
 
 def test_a_divergence_reports_the_minimal_workload_and_first_differing_field(monkeypatch):
     # The shipped-and-reverted cap-1 gate, pointed at the gate-open property: it must fail,
     # and the report must be readable: the shrunk workload and the first differing field path.
-    monkeypatch.setattr(vllm_balance.BalanceScheduler, "leader_at_cap", leader_within_one_of_cap)
+    monkeypatch.setattr(
+        vllm_balance.BalanceScheduler.gate_class, "leader_at_cap", leader_within_one_of_cap
+    )
 
     @settings(property_settings(max_examples=60), phases=[Phase.generate, Phase.shrink])
     @given(workload=workloads(at_cap=False))

@@ -167,7 +167,7 @@ def test_fault_tolerance_gather_a_peer_never_enters_raises_after_its_timeout_log
             gathering.join(timeout=10.0)
     assert 0.4 <= ended.get("after", float("inf")) <= 3.0, ended  # none: waited 5 s and more
     assert "Timed out" in str(ended["raised"]), ended
-    assert scheduler._gather_watchdog.started is None
+    assert scheduler.balance_gate.watchdog.started is None
     failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith(FAILED)]
     assert len(failed) == 1 and failed[0].startswith(f"{FAILED}: DP0 gather #1 raised after"), (
         caplog.text

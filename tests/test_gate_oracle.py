@@ -2,9 +2,10 @@
 says, compared step by step with an upstream Scheduler cut by construction (``GateOracle``).
 
 Scripted gathered vectors per step: leader at the cap, at cap-1, several ranks at the cap, all
-zero, DP sizes 2..256. ``oracle_queue`` sets ``balance_queue`` (the public state the gate reads);
-``oracle_gather`` delivers the vector through the real ``balance_gather()`` with the other ranks
-scripted, so this rank's slot is its own payload (contract 3: ``len(running)``, once per step).
+zero, DP sizes 2..256. ``oracle_queue`` sets them with ``balance_gate.set_gathered()`` (the
+gather's second half); ``oracle_gather`` delivers the vector through the real
+``balance_gather()`` with the other ranks scripted, so this rank's slot is its own payload
+(contract 3: ``len(running)``, once per step).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from test_contract import CAP, gloo_groups
 
 import vllm_balance
 from balance_testbed import factories
+from balance_testbed.waiting import wait_for
 from tests.multiproc.watchdog_log import WatchdogLine, watchdog_lines
 from vllm_balance.log import LOGGER_NAME
 from vllm_balance.shim.stats import BalanceStats
@@ -202,36 +203,32 @@ def test_peer_late_to_the_gather_is_reported_by_the_rank_waiting_in_it(caplog, c
         for r in (0, 1)
     ]
     for scheduler, group in zip(ranks, gloo_groups(2)):
-        scheduler.dp_group = group
+        scheduler.follow_dp_group(group)
     with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         waiting = threading.Thread(target=ranks[0].balance_gather)
         waiting.start()
         time.sleep(1.0)  # rank 1 is late: rank 0 waits in the all_gather
         ranks[1].balance_gather()
         waiting.join(timeout=30)
-        deadline = time.monotonic() + 10
-        while not any(UNBLOCKED in m for m in messages(caplog)) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: any(UNBLOCKED in m for m in messages(caplog)), 10, 0.05)
     blocked = [m for m in messages(caplog) if m.startswith(BLOCKED)]
     unblocked = [m for m in messages(caplog) if m.startswith(UNBLOCKED)]
     assert blocked and all(m.startswith(f"{BLOCKED}: DP0 ") for m in blocked), blocked
     assert "in gather #1 of 2 DP ranks; last gathered running counts: none yet;" in blocked[0]
     assert len(unblocked) == 1 and unblocked[0].startswith(f"{UNBLOCKED}: DP0 gather #1 ")
-    assert (ranks[0].balance_stats.blocked_gathers, ranks[1].balance_stats.blocked_gathers) == (
-        1,
-        0,
-    )
-    assert ranks[0].balance_stats.gathers == 1
+    stats = [scheduler.balance_gate.stats for scheduler in ranks]
+    assert (stats[0].blocked_gathers, stats[1].blocked_gathers) == (1, 0)
+    assert stats[0].gathers == 1
 
 
 def test_watchdog_is_one_thread_per_scheduler_started_by_its_first_gather():
     scheduler = gathering_scheduler(dp_size=1)
-    assert not scheduler._gather_watchdog.running  # a scheduler that never gathers has no thread
-    [scheduler.dp_group] = gloo_groups(1)
+    assert not scheduler.balance_gate.watchdog.running  # one that never gathered has no thread
+    scheduler.follow_dp_group(*gloo_groups(1))
     before = threading.active_count()
     for _ in range(20):
         scheduler.balance_gather()
-    watchdog = scheduler._gather_watchdog
+    watchdog = scheduler.balance_gate.watchdog
     assert watchdog.running and threading.active_count() == before + 1
     assert watchdog.started is None
     thread = watchdog._thread
@@ -243,15 +240,15 @@ def test_watchdog_is_one_thread_per_scheduler_started_by_its_first_gather():
 
 def test_zero_warn_s_turns_the_watchdog_off():
     scheduler = gathering_scheduler(dp_size=1, balance_gather_warn_s=0)
-    [scheduler.dp_group] = gloo_groups(1)
+    scheduler.follow_dp_group(*gloo_groups(1))
     before = threading.active_count()
     scheduler.balance_gather()
-    assert not scheduler._gather_watchdog.running and threading.active_count() == before
+    assert not scheduler.balance_gate.watchdog.running and threading.active_count() == before
 
 
 def test_failed_gather_is_not_reported_as_blocked(monkeypatch):
     scheduler = gathering_scheduler(dp_size=1)
-    [scheduler.dp_group] = gloo_groups(1)
+    scheduler.follow_dp_group(*gloo_groups(1))
 
     def broken(*args, **kwargs):
         raise RuntimeError("Connection reset by peer")
@@ -259,5 +256,5 @@ def test_failed_gather_is_not_reported_as_blocked(monkeypatch):
     monkeypatch.setattr(dist, "all_gather", broken)
     with pytest.raises(RuntimeError):
         scheduler.balance_gather()
-    assert scheduler._gather_watchdog.started is None
-    assert str(scheduler._gather_watchdog.raised) == "Connection reset by peer"
+    assert scheduler.balance_gate.watchdog.started is None
+    assert str(scheduler.balance_gate.watchdog.raised) == "Connection reset by peer"

@@ -49,8 +49,8 @@ def balance_scheduler(log_stats: bool = True):
 
 def count_steps(scheduler, counts: list[int], frozen: bool, waiting: int) -> None:
     """What one gather and one ``schedule()`` record (the gate's own tests cover the gate)."""
-    scheduler.balance_stats.record_gather(counts)
-    scheduler.balance_stats.record_step(frozen, False, waiting, 0)
+    scheduler.balance_gate.stats.record_gather(counts)
+    scheduler.balance_gate.stats.record_step(frozen, False, waiting, 0)
 
 
 def vllm_fields(stats) -> dict:
@@ -64,7 +64,7 @@ def test_make_stats_carries_the_published_increases_once_then_is_upstreams():
     assert "make_stats" not in vars(scheduler)
     assert type(scheduler.make_stats()) is SchedulerStats  # nothing published yet
     count_steps(scheduler, [4, 1], frozen=True, waiting=3)
-    scheduler._periodic_log.metrics.publish(scheduler.balance_stats)  # as each log line does
+    scheduler.balance_gate.metrics.publish(scheduler.balance_gate.stats)  # as each log line does
     carried = scheduler.make_stats()
     assert isinstance(carried, BalanceSchedulerStats)
     assert carried.balance["balance_steps"] == 1
@@ -75,8 +75,8 @@ def test_make_stats_carries_the_published_increases_once_then_is_upstreams():
     assert type(scheduler.make_stats()) is SchedulerStats  # delivered once
     count_steps(scheduler, [4, 2], frozen=True, waiting=2)
     count_steps(scheduler, [3, 2], frozen=False, waiting=0)
-    scheduler.balance_stats.blocked_gathers += 1  # what the watchdog thread counts
-    scheduler._periodic_log.metrics.publish(scheduler.balance_stats)
+    scheduler.balance_gate.stats.blocked_gathers += 1  # what the watchdog thread counts
+    scheduler.balance_gate.metrics.publish(scheduler.balance_gate.stats)
     second = scheduler.make_stats().balance
     # Only what was counted since the first publish: the API server adds them up.
     assert (second["balance_steps"], second["balance_frozen_steps"]) == (2, 1)
@@ -86,7 +86,7 @@ def test_make_stats_carries_the_published_increases_once_then_is_upstreams():
 
 def test_carried_stats_hold_vllms_own_values_unchanged():
     carrying, plain = balance_scheduler(), make_scheduler(vllm_config=dp_config(), log_stats=True)
-    carrying._periodic_log.metrics.publish(carrying.balance_stats)
+    carrying.balance_gate.metrics.publish(carrying.balance_gate.stats)
     carried = carrying.make_stats()
     assert isinstance(carried, BalanceSchedulerStats)
     assert vllm_fields(carried) == vllm_fields(plain.make_stats())
@@ -95,11 +95,11 @@ def test_carried_stats_hold_vllms_own_values_unchanged():
 def test_without_vllm_stats_nothing_is_carried_and_the_increases_add_up():
     scheduler = balance_scheduler(log_stats=False)
     count_steps(scheduler, [4, 1], frozen=True, waiting=3)
-    scheduler._periodic_log.metrics.publish(scheduler.balance_stats)
+    scheduler.balance_gate.metrics.publish(scheduler.balance_gate.stats)
     assert scheduler.make_stats() is None
     count_steps(scheduler, [4, 1], frozen=True, waiting=3)
-    scheduler._periodic_log.metrics.publish(scheduler.balance_stats)
-    assert scheduler._periodic_log.metrics.pending["balance_steps"] == 2
+    scheduler.balance_gate.metrics.publish(scheduler.balance_gate.stats)
+    assert scheduler.balance_gate.metrics.pending["balance_steps"] == 2
     assert "--disable-log-stats" in export_status(log_stats=False)
 
 
@@ -181,7 +181,7 @@ def test_vllms_stat_logger_manager_serves_each_engines_counters_on_metrics():
     for engine, counts, waiting in ((0, [4, 1], 5), (1, [4, 1], 2), (1, [4, 3], 7)):
         scheduler = balance_scheduler()
         count_steps(scheduler, counts, frozen=True, waiting=waiting)
-        scheduler._periodic_log.metrics.publish(scheduler.balance_stats)
+        scheduler.balance_gate.metrics.publish(scheduler.balance_gate.stats)
         stats = scheduler.make_stats()
         manager.record(scheduler_stats=stats, iteration_stats=None, engine_idx=engine)
         published.setdefault(engine, []).append(waiting)
@@ -202,7 +202,7 @@ def test_an_engine_that_sends_stats_without_balance_counters_is_named_once(caplo
     logger = BalanceStatLogger(dp_config(), [0, 1])
     logger.silent_after_s = 0.0
     scheduler = balance_scheduler()
-    scheduler._periodic_log.metrics.publish(scheduler.balance_stats)
+    scheduler.balance_gate.metrics.publish(scheduler.balance_gate.stats)
     logger.record(scheduler.make_stats(), None, engine_idx=0)
     logger.record(SchedulerStats(), None, engine_idx=1)
     with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):

@@ -55,8 +55,8 @@ def served_names() -> set[str]:
     manager = StatLoggerManager(config, engine_idxs=[0, 1], custom_stat_loggers=plugins)
     for engine in (0, 1):
         scheduler = make_scheduler(vllm_balance.BalanceScheduler, config, log_stats=True)
-        scheduler.balance_stats.record_gather([1, 1])
-        scheduler._periodic_log.metrics.publish(scheduler.balance_stats)
+        scheduler.balance_gate.stats.record_gather([1, 1])
+        scheduler.balance_gate.metrics.publish(scheduler.balance_gate.stats)
         manager.record(
             scheduler_stats=scheduler.make_stats(), iteration_stats=None, engine_idx=engine
         )

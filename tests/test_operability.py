@@ -103,10 +103,9 @@ def test_bad_tuning_values_are_clear_errors_naming_the_key(key, value, message):
 def test_counters_follow_the_gate_and_the_gathered_vector():
     scheduler = with_waiting(balance_scheduler())
     for counts in ([0, CAP], [1, CAP], [2, 0]):
-        factories.set_gathered(scheduler, counts)
-        scheduler.observe_gathered()
+        scheduler.balance_gate.set_gathered(counts)
         scheduler.schedule()
-    stats = scheduler.balance_stats
+    stats = scheduler.balance_gate.stats
     assert (stats.steps, stats.frozen_steps, stats.gathers) == (3, 2, 3)
     assert stats.deferred_admissions == 6 + 6  # six waiting on each frozen step
     assert (stats.gathered_max, stats.gathered_min, stats.gathered_mean) == (2, 0, 1.0)
@@ -115,9 +114,9 @@ def test_counters_follow_the_gate_and_the_gathered_vector():
 
 def test_periodic_log_line_per_rank(caplog):
     scheduler = with_waiting(balance_scheduler())
-    scheduler._periodic_log.interval_s = 1e-9
-    scheduler._periodic_log._next = 0.0
-    factories.set_gathered(scheduler, [0, CAP])
+    scheduler.balance_gate._periodic_log.interval_s = 1e-9
+    scheduler.balance_gate._periodic_log._next = 0.0
+    scheduler.balance_gate.set_gathered([0, CAP])
     with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
         scheduler.schedule()
     assert "Balance DP0: steps=1, frozen=100.0%, deferred admissions=6, released=0" in caplog.text
@@ -165,11 +164,10 @@ def test_bounded_hold_opens_one_step_after_n_frozen_steps():
     scheduler = bounded_scheduler(2)
     decisions = []
     for _ in range(7):
-        factories.set_gathered(scheduler, [0, CAP])  # the leader never drains in this script
-        scheduler.observe_gathered()
+        scheduler.balance_gate.set_gathered([0, CAP])  # the leader never drains in this script
         decisions.append("admit" if admits(scheduler) else "frozen")
     assert decisions == ["frozen", "frozen", "admit", "frozen", "frozen", "admit", "frozen"]
-    assert scheduler.balance_stats.released_steps == 2
+    assert scheduler.balance_gate.stats.released_steps == 2
 
 
 def test_bounded_hold_decision_is_identical_on_ranks_that_skip_schedule():
@@ -178,8 +176,7 @@ def test_bounded_hold_decision_is_identical_on_ranks_that_skip_schedule():
     busy_decisions, drained_decisions = [], []
     for step in range(4):
         for scheduler in (busy, drained):
-            factories.set_gathered(scheduler, [CAP, 0])
-            scheduler.observe_gathered()
+            scheduler.balance_gate.set_gathered([CAP, 0])
         busy_decisions.append(admits(busy))
         if step == 3:  # the drained rank gets work only now
             drained_decisions.append(admits(drained))
@@ -190,8 +187,7 @@ def test_bounded_hold_decision_is_identical_on_ranks_that_skip_schedule():
 def test_unset_bound_is_exactly_the_contract():
     scheduler = with_waiting(balance_scheduler(), n=12)
     for _ in range(6):
-        factories.set_gathered(scheduler, [0, CAP])
-        scheduler.observe_gathered()
+        scheduler.balance_gate.set_gathered([0, CAP])
         assert admitted(scheduler.schedule()) == []
 
 
@@ -226,15 +222,14 @@ def test_balance_tensors_are_cpu_on_gloo_and_no_device_sync(monkeypatch):
     ranks = [with_waiting(balance_scheduler()) for _ in range(2)]
     groups = gloo_groups(2)
     for scheduler, group in zip(ranks, groups):
-        scheduler.dp_group = group
+        scheduler.follow_dp_group(group)
         assert group.name() == "gloo"  # stateless groups are not in the world map
     gathered = []
     for _ in range(2):
         run_as_ranks(*(s.balance_gather for s in ranks))
-        gathered.append([[int(t.item()) for t in s.balance_queue] for s in ranks])
+        gathered.append([s.balance_gate.stats.last_gathered for s in ranks])
         for scheduler in ranks:
             factories.step(scheduler)
     # Every rank received every rank's len(running): none before the first step, CAP after it.
     assert gathered == [[[0, 0], [0, 0]], [[CAP, CAP], [CAP, CAP]]]
     assert created and all(t.device.type == "cpu" for t in created)
-    assert all(t.device.type == "cpu" for s in ranks for t in s.balance_queue)

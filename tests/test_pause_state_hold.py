@@ -8,7 +8,7 @@ whose KV comes from a remote store (async loads finishing a few steps later:
 ``WAITING_FOR_REMOTE_KVS``, then the KV-holding queue), structured-output requests waiting on
 their grammar, preemption (small KV caches) and aborts, under scripted gathered vectors that put
 a rank at the cap on some steps. Every step compares the whole observation (outputs, queues,
-per-request progress, free blocks) and the hold's own bookkeeping (``admission_deferred``,
+per-request progress, free blocks) and the hold's own bookkeeping (``balance_gate.deferred``,
 ``prefill_capacity_bound``).
 
 Not generated: streaming-input sessions and the P/D decode side (balance refuses a KV consumer:
@@ -73,7 +73,7 @@ class Held(Side):
     def before_schedule(self, step_index: int) -> None:
         self.step_index = step_index
         vector = self.workload.vector(step_index, self.workload.dp_size)
-        factories.set_gathered(self.scheduler, vector)
+        self.scheduler.balance_gate.set_gathered(vector)
 
     def step(self, throttle_prefills: bool = False):
         output = self.schedule(throttle_prefills)
@@ -98,17 +98,20 @@ class Held(Side):
         if self.reference is None:
             return None
         ours, theirs = self.scheduler, self.reference.scheduler
-        for name in ("admission_frozen", "admission_deferred", "prefill_capacity_bound"):
-            if getattr(ours, name) != getattr(theirs, name):
-                mine, theirs_value = getattr(ours, name), getattr(theirs, name)
+        for name, mine, theirs_value in (
+            ("frozen", ours.balance_gate.frozen, theirs.balance_gate.frozen),
+            ("deferred", ours.balance_gate.deferred, theirs.balance_gate.deferred),
+            ("prefill_capacity_bound", ours.prefill_capacity_bound, theirs.prefill_capacity_bound),
+        ):
+            if mine != theirs_value:
                 return f"{name}: {mine} here, {theirs_value} in the reference"
         return None
 
     def facts(self, output) -> set[str]:
         found = set()
-        if self.scheduler.admission_frozen:
+        if self.scheduler.balance_gate.frozen:
             found.add("frozen_step")
-            if self.scheduler.admission_deferred:
+            if self.scheduler.balance_gate.deferred:
                 found.add("held_a_fresh_request")
             if any(r.req_id.startswith("kv-") for r in output.scheduled_new_reqs):
                 found.add("kv_holder_scheduled_while_frozen")
@@ -184,14 +187,14 @@ class HeldOneStepTooLong(PauseStateHold):
         from vllm.v1.core.sched.interface import PauseState
 
         lingering = getattr(self, "_linger", False)
-        if lingering and not self.leader_at_cap():
+        if lingering and not self.balance_gate.leader_at_cap():
             self._pause_state = PauseState.PAUSED_NEW
         try:
             return super().schedule(throttle_prefills)
         finally:
             if lingering:
                 self._pause_state = PauseState.UNPAUSED
-            self._linger = self.admission_frozen
+            self._linger = self.balance_gate.frozen
 
 
 class PausedAll(PauseStateHold):

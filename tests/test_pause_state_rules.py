@@ -28,7 +28,7 @@ def pause_state_scheduler(cls=None):
         additional_config={"enable_balance_scheduling": True},
     )
     factories.add_requests(scheduler, factories.make_requests(1))
-    factories.set_gathered(scheduler, [0, 0])
+    scheduler.balance_gate.set_gathered([0, 0])
     factories.step(scheduler)  # req-0 runs: one slot free
     factories.add_requests(scheduler, factories.make_requests(1, start=1))
     return scheduler
@@ -66,19 +66,19 @@ class LogsEveryStep(PauseStateHold):
 
 def check_restored_after_a_frozen_step(cls=None):
     scheduler = pause_state_scheduler(cls)
-    factories.set_gathered(scheduler, [1, CAP])
+    scheduler.balance_gate.set_gathered([1, CAP])
     output = scheduler.schedule()
-    assert output.scheduled_new_reqs == [] and scheduler.admission_deferred
+    assert output.scheduled_new_reqs == [] and scheduler.balance_gate.deferred
     assert scheduler.pause_state == PauseState.UNPAUSED
     assert scheduler.get_num_unfinished_requests() == 2  # as upstream counts outside the step
-    factories.set_gathered(scheduler, [1, 0])
+    scheduler.balance_gate.set_gathered([1, 0])
     assert [r.req_id for r in scheduler.schedule().scheduled_new_reqs] == ["req-1"]
 
 
 def check_operator_pause_kept(cls=None):
     scheduler = pause_state_scheduler(cls)
     scheduler.set_pause_state(PauseState.PAUSED_ALL)  # /pause?mode=keep
-    factories.set_gathered(scheduler, [1, CAP])
+    scheduler.balance_gate.set_gathered([1, CAP])
     output = scheduler.schedule()
     assert output.num_scheduled_tokens == {}, "PAUSED_ALL schedules nothing, frozen or not"
     assert scheduler.pause_state == PauseState.PAUSED_ALL
@@ -86,7 +86,7 @@ def check_operator_pause_kept(cls=None):
 
 def check_silent(caplog, cls=None):
     scheduler = pause_state_scheduler(cls)
-    factories.set_gathered(scheduler, [1, CAP])
+    scheduler.balance_gate.set_gathered([1, CAP])
     with caplog.at_level(logging.INFO):  # any logger: a twin module logs under its own name
         scheduler.schedule()
     assert not [r for r in caplog.records if "pause state" in r.getMessage()]
@@ -98,7 +98,7 @@ def test_the_pause_is_restored_after_a_frozen_step():
 
 def test_the_pause_is_restored_when_upstreams_step_raises(monkeypatch):
     scheduler = pause_state_scheduler()
-    factories.set_gathered(scheduler, [1, CAP])
+    scheduler.balance_gate.set_gathered([1, CAP])
     scheduler.kv_cache_manager.new_step_starts = lambda: (_ for _ in ()).throw(RuntimeError("x"))
     with pytest.raises(RuntimeError, match="x"):
         scheduler.schedule()

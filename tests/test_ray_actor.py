@@ -213,4 +213,4 @@ def test_actor_hands_vllms_dp_group_to_its_scheduler(monkeypatch):
 
     monkeypatch.setattr(DPMoEEngineCoreActor, "__init__", upstream_order)
     actor = actor_as_ray_builds_it(config)
-    assert actor.scheduler.dp_group is group
+    assert actor.scheduler.balance_gate.group is group

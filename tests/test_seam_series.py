@@ -122,7 +122,7 @@ def test_scheduler_diff_is_the_call_and_the_default_only(series):
     else:
         assert call == [f"+{pad}if self.{SEAM_METHOD}():", f"+{pad}    break"]
     # No policy: nothing but the call, the method and the two docstrings.
-    policy = ("prefill_capacity_bound", "admission_deferred")
+    policy = ("prefill_capacity_bound", "balance_gate", "deferred")
     assert not any(name in line for line in added for name in policy)
     added_lines_count, removed_lines_count = numstat(series)[SCHEDULER_PATH]
     assert added_lines_count + removed_lines_count <= 30, "the change must stay reviewable"

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import pytest
 
 from balance_testbed.session_process import ServerError, SessionProcess
+from balance_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.path_independent
 
@@ -60,9 +60,7 @@ def test_what_survives_sigterm_is_killed_by_pid_even_after_leaving_the_session(t
     child.start()
     child.wait_ready()
     [grandchild] = [pid for pid in child.note_processes() if pid != child.pid]
-    deadline = time.monotonic() + 20
-    while os.getsid(grandchild) == child.pid and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for(lambda: os.getsid(grandchild) != child.pid, 20, 0.1)
     assert os.getsid(grandchild) == grandchild  # its own session now, still ours
     report = child.stop(timeout_s=1)
     assert not report["clean"] and report["returncode"] == -15

@@ -390,6 +390,6 @@ def test_full_launcher_engine_processes_run_ours_with_vllm_names_restored(
         assert facts["engine_core_cls"] == "BalanceDPEngineCoreProc", facts
         assert facts["scheduler_mro"][0].startswith("vllm_balance."), facts
         assert not vllm_ascend_in(facts["engine_core_mro"] + facts["scheduler_mro"]), facts
-        assert facts["scheduler_has_dp_group"] and len(facts["balance_queue"]) == 2, facts
+        assert facts["scheduler_has_dp_group"] and facts["balance_dp_size"] == 2, facts
         # After EngineCore.__init__ loaded the general plugins again (vllm-ascend's among them):
         assert_vllm_names_restored_under_ours(facts["names"])

@@ -55,7 +55,7 @@ def test_scheduler_state_the_mixin_reads():
     assert scheduler.prefill_capacity_bound is False
 
 
-# shim/gather.py
+# shim/gather.py and shim/scheduler.py
 
 
 def test_group_and_pause_state_the_gather_follows():
@@ -64,7 +64,7 @@ def test_group_and_pause_state_the_gather_follows():
     counts it (where the release has pause states)."""
     from torch.distributed import ProcessGroup
 
-    from vllm_balance.shim.gather import PAUSED_ALL
+    from vllm_balance.shim.scheduler import PAUSED_ALL
 
     assert callable(ProcessGroup.size) and callable(ProcessGroup.rank)
     if PAUSED_ALL is not None:

@@ -45,8 +45,7 @@ CHILD = textwrap.dedent(
     factories.add_requests(scheduler, factories.make_requests(3))
     admitted = []
     for counts in ((2, 0), (1, 0)):
-        for view, count in zip(scheduler.balance_queue, counts):
-            view.fill_(count)
+        scheduler.balance_gate.set_gathered(counts)
         output, _ = factories.step(scheduler)
         admitted.append(len(output.scheduled_new_reqs))
     assert admitted == [0, 2], admitted

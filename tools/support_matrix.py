@@ -24,6 +24,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from balance_sim.markdown import markdown_table
 from balance_testbed.pins import PIN_NAMES, read_pin
 from balance_testbed.records import EVIDENCE, FINGERPRINTS
 from balance_testbed.seam_patch import all_series, serving_series
@@ -63,40 +64,36 @@ def _own_tests(own: dict) -> str:
 
 def _path_row(
     release: str, path: str, run: dict | None, pins: list[str], usable: str, serving: bool
-) -> str:
+) -> list[str]:
     # One release can be several pins (the release tag is also the e2e server's vLLM).
     key = "shim" if path == "shim" else "no-seam"
     ci = "; ".join(filter(None, (CI_SESSIONS[pin][key] for pin in pins if serving)))
     label = LABELS[path]
     if run is None:
         verdict = f"CI ({ci})" if ci else "not run"
-        return f"| {release} | {label} | {usable} | {verdict} | - | - | - | - |"
+        return [release, label, usable, verdict, "-", "-", "-", "-"]
     verdict = "verified" if run["ok"] else "FAILED: " + "; ".join(run["notes"])[:160]
     if ci:
         verdict += f"; CI ({ci})"
-    return (
-        f"| {release} | {label} | {usable} | {verdict} | {_counts(run['differential'])} | "
-        f"{_counts(run['contract'])} | {_own_tests(run['own_tests'])} | {run['date']} |"
-    )
+    counts = [_counts(run["differential"]), _counts(run["contract"]), _own_tests(run["own_tests"])]
+    return [release, label, usable, verdict, *counts, run["date"]]
 
 
 def _seam_rows(evidence: dict) -> list[str]:
     """The seam series per release, as ``nox -s reach`` recorded it."""
-    lines = [
-        "| release | applies | neutral | patch size | called after the slot check | date |",
-        "|---|---|---|---|---|---|",
-    ]
-    notes = []
+    rows, notes = [], []
     for release in sorted(evidence, key=Version):
         seam = evidence[release].get("seam")
         if seam is None:
             continue
         size = f"{seam['scheduler_diff']}; test +{seam['test_lines']}" if seam["series"] else ""
-        lines.append(
-            f"| {release} | {seam['applies']} | {seam['neutral']} | {size} | "
-            f"{seam['condition']} | {seam['date']} |"
+        rows.append(
+            [release, seam["applies"], seam["neutral"], size, seam["condition"], seam["date"]]
         )
         notes += [f"- {release}: {n}" for n in seam["notes"]]
+    lines = markdown_table(
+        "release | applies | neutral | patch size | called after the slot check | date", rows
+    )
     return lines + (["", "Notes:", "", *notes] if notes else [])
 
 
@@ -143,10 +140,8 @@ def render(today: str) -> str:
             minutes = [
                 f"{runs[path]['seconds'] / 60:.0f}" if path in runs else "-" for path in LABELS
             ]
-            costs.append(
-                f"| {release} | {' | '.join(minutes)} | {cost['wheel_mb']} | "
-                f"{cost['unpacked_mb']} | {cost['sdist_mb']} | {cost['date']} |"
-            )
+            sizes = [cost[key] for key in ("wheel_mb", "unpacked_mb", "sdist_mb")]
+            costs.append([release, *minutes, *sizes, cost["date"]])
         if "vllm_cpu" in runs:
             check = runs["vllm_cpu"]
             same = "same" if check["same"] else "DIFFERENT"
@@ -157,18 +152,18 @@ def render(today: str) -> str:
         DOC,
         {
             "date": [f"{DATE_PREFIX}{today}."],
-            "matrix": [
-                "| vLLM release | path | usable | verdict | differential | contract "
-                "| vLLM's own tests | date |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- |",
-                *rows,
-            ],
-            "costs": [
-                "| release | pause-state minutes | compat minutes | shim minutes | wheel MB "
-                "| unpacked MB | sdist MB | date |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- |",
-                *costs,
-            ],
+            "matrix": markdown_table(
+                "vLLM release | path | usable | verdict | differential | contract "
+                "| vLLM's own tests | date",
+                rows,
+                spaced_rule=True,
+            ),
+            "costs": markdown_table(
+                "release | pause-state minutes | compat minutes | shim minutes | wheel MB "
+                "| unpacked MB | sdist MB | date",
+                costs,
+                spaced_rule=True,
+            ),
             "cpu-builds": cpu or ["- none checked yet."],
             "seam-reach": _seam_rows(evidence),
             "metrics": [

@@ -52,13 +52,6 @@ def make_requests(n: int, **kwargs) -> list:
     return [make_request(spec) for spec in request_specs(n, **kwargs)]
 
 
-def set_gathered(scheduler, counts: Sequence[int]) -> None:
-    """What the gather would leave in ``balance_queue``: one count per DP rank."""
-    import torch
-
-    scheduler.balance_queue = [torch.tensor([c], dtype=torch.int32) for c in counts]
-
-
 def step(scheduler, token_id: int = 7):
     """One engine step: schedule, fabricate the forward, feed it back. Returns both outputs."""
     scheduler_output = scheduler.schedule()
@@ -192,3 +185,12 @@ def observation_difference(observed: dict, expected: dict) -> str | None:
         if found:
             return found
     return None
+
+
+def gate_read(scheduler) -> list[int]:
+    """What the scheduler's gate reads now: the last gathered vector (zeros before the first
+    gather on a group), or under the reduction its largest count alone."""
+    gate = scheduler.balance_gate
+    if not gate.all_gather:
+        return [gate.leader]
+    return list(gate.stats.last_gathered) or [0] * gate.dp_size

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from balance_testbed.tiny_moe import CORPUS
+from balance_testbed.waiting import wait_for
 
 MODEL_NAME = "tiny-moe"  # --served-model-name in balance_testbed.server
 KINDS = ("completion", "chat")
@@ -187,11 +188,9 @@ class BackgroundLoad(threading.Thread):
             self.error = exc
 
     def wait_for_tokens(self, count: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while self.progress.tokens < count and self.is_alive():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
+        """Whether ``count`` tokens arrived within ``timeout_s`` (False at once if the load ended
+        short of them)."""
+        wait_for(lambda: self.progress.tokens >= count or not self.is_alive(), timeout_s, 0.1)
         return self.progress.tokens >= count
 
 

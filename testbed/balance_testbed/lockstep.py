@@ -12,7 +12,7 @@ naming the step and the field path. An exception on the reference side is a test
 outcome: upstream raising means the workload or the harness is wrong.
 
 A side adds what its run does around the common step (:class:`Side`'s hooks): the balance
-differential sets or gathers ``balance_queue`` before ``schedule()``, freezes the oracle's
+differential sets or gathers the gate's counts before ``schedule()``, freezes the oracle's
 admission, and checks the gather after the step; the seam differential adds nothing.
 """
 

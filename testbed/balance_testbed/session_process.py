@@ -23,6 +23,8 @@ from typing import TypeVar
 
 import psutil
 
+from balance_testbed.waiting import wait_for
+
 # vLLM's own graceful shutdown takes a few seconds (``ray start``'s too); after this the rest of
 # the session is SIGKILLed.
 STOP_TIMEOUT_S = 30.0
@@ -134,18 +136,18 @@ class SessionProcess:
         Notes the session's processes on each poll (one that leaves the session early stays
         ours). Raises ServerError when the child exits first: waiting longer cannot help.
         """
-        deadline = self._started_at + timeout_s
-        while time.monotonic() < deadline:
+
+        def alive_and_ready() -> bool:
             self.note_processes()
             if self.process.poll() is not None:
                 raise ServerError(
                     f"{self.label} exited with {self.process.returncode} during start-up\n"
                     f"{self.log_tail()}"
                 )
-            if ready():
-                return True
-            time.sleep(poll_s)
-        return False
+            return ready()
+
+        left_s = self._started_at + timeout_s - time.monotonic()
+        return wait_for(alive_and_ready, left_s, poll_s) is not None
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> dict:
         """SIGTERM the child, wait for its whole session, SIGKILL what is left (by PID).
@@ -193,12 +195,10 @@ class SessionProcess:
         return killed
 
     def _wait_session_gone(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None and not self.live_pids():
-                return True
-            time.sleep(0.5)
-        return False
+        def gone() -> bool:
+            return self.process.poll() is not None and not self.live_pids()
+
+        return wait_for(gone, timeout_s, 0.5) is not None
 
     # ------------------------------------------------------------------ processes
     def note_processes(self) -> list[int]:

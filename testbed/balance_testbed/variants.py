@@ -21,7 +21,7 @@ class InjectDpGroupEngine(DPEngineCoreProc):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.scheduler.dp_group = self.dp_group  # type: ignore[attr-defined]
+        self.scheduler.follow_dp_group(self.dp_group)  # type: ignore[attr-defined]
 
 
 def gather_in_schedule_scheduler(base: type) -> type:
@@ -53,12 +53,14 @@ class GatherInEngineStepEngine(DPEngineCoreProc):
 
     def _process_engine_step(self) -> bool:
         executed = super()._process_engine_step()
-        self.scheduler.dp_group = self.dp_group  # type: ignore[attr-defined]
+        self.scheduler.follow_dp_group(self.dp_group)  # type: ignore[attr-defined]
         self.scheduler.balance_gather()  # type: ignore[attr-defined]
         return executed
 
 
-def late_fold_in_reduce(running: int, group: Any) -> collective.Reduced:
+def late_fold_in_reduce(
+    running: int, group: Any, timeout: Any = collective.NO_TIMEOUT
+) -> collective.Reduced:
     """``collective.reduce_running`` with the extra ranks folded in after the doubling.
 
     Wrong on purpose (DP not a power of two): an extra rank's count reaches only its partner,

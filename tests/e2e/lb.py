@@ -34,6 +34,7 @@ from balance_testbed.server import (
     ServerError,
     VllmServer,
 )
+from balance_testbed.waiting import wait_for
 from tests.e2e.multinode import step_records
 from tests.e2e.runs import LOAD_REQUESTS, STALL_S, Mode, RunCache
 
@@ -134,8 +135,8 @@ class LBRunCache(RunCache):
 
 def wait_until_every_port_is_healthy(servers: list[VllmServer], ports) -> float:
     """Seconds from start until every API port answers /health 200. Raises ServerError."""
-    began = time.monotonic()
-    while time.monotonic() - began < STARTUP_TIMEOUT_S:
+
+    def every_port_healthy() -> bool:
         for server in servers:
             server.note_processes()
             if server.process.poll() is not None:
@@ -143,11 +144,13 @@ def wait_until_every_port_is_healthy(servers: list[VllmServer], ports) -> float:
                     f"{server.workdir.name} exited with {server.process.returncode} during "
                     f"start-up\n{server.log_tail()}"
                 )
-        if all(servers[0].http_status_at(port, "/health", 5) == 200 for port in ports):
-            return round(time.monotonic() - began, 1)
-        time.sleep(2)
-    tails = "\n".join(f"{s.workdir.name}:\n{s.log_tail()}" for s in servers)
-    raise ServerError(f"not every API server healthy after {STARTUP_TIMEOUT_S:.0f} s\n{tails}")
+        return all(servers[0].http_status_at(port, "/health", 5) == 200 for port in ports)
+
+    seconds = wait_for(every_port_healthy, STARTUP_TIMEOUT_S, 2)
+    if seconds is None:
+        tails = "\n".join(f"{s.workdir.name}:\n{s.log_tail()}" for s in servers)
+        raise ServerError(f"not every API server healthy after {STARTUP_TIMEOUT_S:.0f} s\n{tails}")
+    return seconds
 
 
 def spread_the_load(ports: list[int]) -> tuple[list[Outcome], str | None]:

@@ -43,6 +43,7 @@ from balance_testbed.server import (
     engine_core_main_frames,
     process_name,
 )
+from balance_testbed.waiting import wait_for
 from tests.e2e.netns import Host, TwoHosts, namespace_refusal, tcp_peers
 from tests.e2e.runs import MODES, Mode, RunCache, probe_after_the_load, serve_the_load
 from tests.multiproc.watchdog_log import watchdog_lines
@@ -227,7 +228,9 @@ def wait_until_up(head: VllmServer, node1: VllmServer) -> dict[str, float | None
     node's engines), the headless node's engine core initialised. Raises ServerError."""
     began = time.monotonic()
     node1_up = None
-    while time.monotonic() - began < STARTUP_TIMEOUT_S:
+
+    def head_healthy() -> bool:
+        nonlocal node1_up
         for name, server in (("head", head), ("node1", node1)):
             server.note_processes()
             if server.process.poll() is not None:
@@ -237,14 +240,15 @@ def wait_until_up(head: VllmServer, node1: VllmServer) -> dict[str, float | None
                 )
         if node1_up is None and ENGINE_READY in node1.log_text():
             node1_up = round(time.monotonic() - began, 1)
-        if head.http_status("/health", timeout_s=5) == 200:
-            head.started_after_s = time.monotonic() - began
-            return {"head": round(head.started_after_s, 1), "node1": node1_up}
-        time.sleep(2)
-    raise ServerError(
-        f"two-host server not healthy after {STARTUP_TIMEOUT_S:.0f} s\n"
-        f"head:\n{head.log_tail()}\nnode1:\n{node1.log_tail()}"
-    )
+        return head.http_status("/health", timeout_s=5) == 200
+
+    if wait_for(head_healthy, STARTUP_TIMEOUT_S, 2) is None:
+        raise ServerError(
+            f"two-host server not healthy after {STARTUP_TIMEOUT_S:.0f} s\n"
+            f"head:\n{head.log_tail()}\nnode1:\n{node1.log_tail()}"
+        )
+    head.started_after_s = time.monotonic() - began
+    return {"head": round(head.started_after_s, 1), "node1": node1_up}
 
 
 def step_records(workdir: Path) -> list[dict]:
@@ -263,16 +267,6 @@ def frozen_decisions(steps: list[dict]) -> dict[int, dict[int, bool]]:
         if "gather" in step:
             decisions.setdefault(step["gather"], {})[step["rank"]] = step["frozen"]
     return decisions
-
-
-def wait_for(condition, timeout_s: float, poll_s: float = 0.2):
-    """Seconds until ``condition()`` is true, or None after ``timeout_s``."""
-    began = time.monotonic()
-    while time.monotonic() - began < timeout_s:
-        if condition():
-            return round(time.monotonic() - began, 1)
-        time.sleep(poll_s)
-    return None
 
 
 def _head_watchdog(head: VllmServer, since: int, kind: str) -> list:

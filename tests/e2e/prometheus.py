@@ -19,6 +19,7 @@ from pathlib import Path
 
 from vllm.utils.network_utils import get_open_port
 
+from balance_testbed.waiting import wait_for
 from tests.monitoring import binary
 
 # Seconds between scrapes and between rule evaluations: a few samples per second of the test.
@@ -90,23 +91,23 @@ class PrometheusServer:
             )
         finally:
             log.close()
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise PrometheusError(
-                    f"prometheus exited with {self.process.returncode}\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise PrometheusError(
-            f"prometheus not ready after {READY_TIMEOUT_S:.0f} s\n{self.log_tail()}"
-        )
+        if wait_for(self._ready, READY_TIMEOUT_S, 0.5) is None:
+            self.stop()
+            raise PrometheusError(
+                f"prometheus not ready after {READY_TIMEOUT_S:.0f} s\n{self.log_tail()}"
+            )
+
+    def _ready(self) -> bool:
+        """Whether ``/-/ready`` answers 200; raises once Prometheus has exited."""
+        if self.process.poll() is not None:
+            raise PrometheusError(
+                f"prometheus exited with {self.process.returncode}\n{self.log_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
 
     def stop(self) -> dict:
         """SIGTERM by PID, SIGKILL after ``STOP_TIMEOUT_S``; what it took, kept in ``stopped``."""
@@ -171,13 +172,13 @@ class PrometheusServer:
 
     def wait_for_scrapes(self, count: int, timeout_s: float = 60.0) -> None:
         """Until ``count`` successful scrapes of the target are stored."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+
+        def stored() -> bool:
             scrapes = self.samples("up", 600).get("", [])
-            if sum(value == 1 for _, value in scrapes) >= count:
-                return
-            time.sleep(SCRAPE_S)
-        raise PrometheusError(f"fewer than {count} scrapes of {self.target}\n{self.log_tail()}")
+            return sum(value == 1 for _, value in scrapes) >= count
+
+        if wait_for(stored, timeout_s, SCRAPE_S) is None:
+            raise PrometheusError(f"fewer than {count} scrapes of {self.target}\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 20) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -35,7 +35,7 @@ from balance_testbed.server_log import (
     metrics_as_log_lines,
     stats_lines_per_rank,
 )
-from tests.e2e.multinode import wait_for
+from balance_testbed.waiting import wait_for
 from tests.e2e.prometheus import SCRAPE_S, PrometheusServer
 from tests.e2e.runs import LOAD_REQUESTS, STALL_S
 from tests.monitoring import (
@@ -137,11 +137,12 @@ def under_load(server: VllmServer, prom: PrometheusServer, record: dict) -> None
 
 def after_load(server: VllmServer, prom: PrometheusServer, base: dict, record: dict) -> None:
     """Step 2: the rules beside the server's counters, once the counters are still."""
-    deadline = time.monotonic() + QUIET_TIMEOUT_S  # until no step is left in any rate window
-    while set(prom.query("balance:steps:rate1m").values()) != {0.0}:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"steps still counted {QUIET_TIMEOUT_S:.0f} s after the load")
-        time.sleep(SCRAPE_S)
+
+    def no_step_in_any_rate_window() -> bool:
+        return set(prom.query("balance:steps:rate1m").values()) == {0.0}
+
+    if wait_for(no_step_in_any_rate_window, QUIET_TIMEOUT_S, SCRAPE_S) is None:
+        raise RuntimeError(f"steps still counted {QUIET_TIMEOUT_S:.0f} s after the load")
     end = scrape(server)
     time.sleep(3 * SCRAPE_S)  # scraped after ``end``, the rules evaluated
     record["quiet"] = {key: prom.query(expr) for key, expr in queries().items()}

@@ -133,7 +133,9 @@ def _step(engine: Any, recorder: RankRecorder, adds: int, label: str, fault: str
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected fault on DP{recorder.rank} at {label}")
     engine._has_global_unfinished_reqs(True)  # vLLM's DP sync, then the balance gather
-    record["gathered"] = [int(t.item()) for t in scheduler.balance_queue]
+    from balance_testbed.factories import gate_read
+
+    record["gathered"] = gate_read(scheduler)
 
 
 def driven_busy_loop(engine: Any) -> None:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from balance_testbed.stack_dumps import main_thread_frames
+from balance_testbed.waiting import wait_for
 from tests.multiproc.events import (
     Abort,
     Add,
@@ -83,14 +84,13 @@ def join_ranks(
 ) -> None:
     """Wait for every rank process, ``seconds`` at most; once ``failed()`` holds, 5 s more (its
     peers may wait in a collective); then kill what is left and join it."""
-    deadline = time.monotonic() + seconds
-    failed_at = None
-    while any(proc.is_alive() for proc in procs) and time.monotonic() < deadline:
-        if failed_at is None and failed():
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > 5:
-            break
-        time.sleep(0.1)
+
+    def all_exited() -> bool:
+        return not any(proc.is_alive() for proc in procs)
+
+    began = time.monotonic()
+    if wait_for(lambda: all_exited() or failed(), seconds, 0.1) is not None:
+        wait_for(all_exited, min(5, seconds - (time.monotonic() - began)), 0.1)
     for proc in procs:
         if proc.is_alive():
             proc.kill()

@@ -63,8 +63,10 @@ def _instrument_scheduler_class(scheduler_cls: type) -> None:
         # outermost call only, one record per engine step.
         if getattr(self, "_harness_in_schedule", False):
             return upstream_schedule(self, throttle_prefills)
-        queue = getattr(self, "balance_queue", None)
-        queue_values = None if queue is None else [int(t.item()) for t in queue]
+        from balance_testbed.factories import gate_read
+
+        gate = getattr(self, "balance_gate", None)
+        queue_values = None if gate is None else gate_read(self)
         waiting, running = len(self.waiting), len(self.running)
         self._harness_in_schedule = True
         try:
@@ -75,7 +77,7 @@ def _instrument_scheduler_class(scheduler_cls: type) -> None:
             "schedule",
             cls=type(self).__name__,
             queue=queue_values,
-            frozen=getattr(self, "admission_frozen", None),
+            frozen=None if gate is None else gate.frozen,
             waiting=waiting,
             running=running,
             cap=self.max_num_running_reqs,

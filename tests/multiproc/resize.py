@@ -70,8 +70,8 @@ def scheduled_step(
     output, _ = factories.step(scheduler)
     record = {
         "label": label,
-        "read": [int(t.item()) for t in scheduler.balance_queue],  # what this step's gate read
-        "frozen": bool(scheduler.admission_frozen),
+        "read": factories.gate_read(scheduler),  # what this step's gate read
+        "frozen": scheduler.balance_gate.frozen,
         "admitted": len(output.scheduled_new_reqs),
         "running": len(scheduler.running),
     }
@@ -82,9 +82,11 @@ def _step(engine: Any, adds: int, label: str) -> dict:
     scheduler = engine.scheduler
     record, _ = scheduled_step(scheduler, adds, label)
     engine._has_global_unfinished_reqs(True)  # vLLM's DP sync, then the balance gather
-    stats, watchdog = scheduler.balance_stats, scheduler._gather_watchdog
+    from balance_testbed.factories import gate_read
+
+    stats, watchdog = scheduler.balance_gate.stats, scheduler.balance_gate.watchdog
     record.update(
-        gathered=[int(t.item()) for t in scheduler.balance_queue],
+        gathered=gate_read(scheduler),
         gathered_mean=stats.gathered_mean,
         watchdog=[watchdog.dp_rank, watchdog.dp_size],
         group=[engine.dp_group.rank(), engine.dp_group.size()],
@@ -192,7 +194,7 @@ def run(spec: dict) -> dict:
         "records": records,
         "rpcs": executor.calls,
         "dp_size": parallel_config.data_parallel_size,
-        "frozen_streak": scheduler._frozen_streak,
+        "frozen_streak": scheduler.balance_gate._frozen_streak,
     }
 
 

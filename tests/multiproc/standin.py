@@ -208,7 +208,7 @@ class StandInWorker:
                 core = candidate
             frame = frame.f_back
         scheduler = getattr(core, "scheduler", None)
-        queue = getattr(scheduler, "balance_queue", None)
+        gate = getattr(scheduler, "balance_gate", None)
         return {
             "dp_rank": self.dp_rank,
             "pid": os.getpid(),
@@ -217,10 +217,10 @@ class StandInWorker:
             "dp_engine_core_swapped": DP_ENGINE_CORE_SWAP.is_current(),
             "engine_core_cls": type(core).__name__ if core else None,
             "scheduler_cls": type(scheduler).__name__ if scheduler else None,
-            "balance_queue": None if queue is None else [int(t.item()) for t in queue],
-            "scheduler_has_dp_group": getattr(scheduler, "dp_group", None) is not None,
-            # Counted by balance_gather() itself, after its all_gather (None: no balance stats).
-            "balance_gathers": getattr(getattr(scheduler, "balance_stats", None), "gathers", None),
+            "balance_dp_size": None if gate is None else gate.dp_size,
+            "scheduler_has_dp_group": gate is not None and gate.group is not None,
+            # Counted by balance_gather() itself, after its all_gather (None: no balance gate).
+            "balance_gathers": None if gate is None else gate.stats.gathers,
             "engine_core_mro": [qualified(c) for c in type(core).__mro__] if core else [],
             "scheduler_mro": [qualified(c) for c in type(scheduler).__mro__] if scheduler else [],
             "names": vllm_name_facts(),

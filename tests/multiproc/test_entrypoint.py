@@ -45,7 +45,7 @@ def test_real_launcher_activates_balance_in_engine_processes():
         assert facts["engine_core_cls"] == "BalanceDPEngineCoreProc", facts
         assert "Balance" in facts["scheduler_cls"], facts
         assert facts["scheduler_has_dp_group"], facts  # injected by the engine core's hook
-        assert len(facts["balance_queue"]) == 2, facts  # one slot per rank (from the constructor)
+        assert facts["balance_dp_size"] == 2, facts  # sized for both ranks (from the constructor)
         # The gathers happened: every rank gathers once per active step, and the longest request
         # (one token per step) kept the ranks stepping for at least its max_tokens steps.
         assert (facts["balance_gathers"] or 0) >= max(result["expected"].values()), facts

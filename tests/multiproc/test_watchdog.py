@@ -16,6 +16,7 @@ from collections.abc import Callable
 import psutil
 import pytest
 
+from balance_testbed.waiting import wait_for
 from tests.multiproc.events import Add, Trace, TraceResult
 from tests.multiproc.harness import Cluster
 from tests.multiproc.invariants import check_trace
@@ -36,14 +37,13 @@ PAUSE_AFTER = 10
 
 def _wait_for(cluster: Cluster, predicate: Callable[[], bool], timeout: float, what: str) -> float:
     """Pump the cluster until ``predicate()``; return the monotonic time it first held."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            logs = "\n".join(
-                f"--- rank {r}\n{cluster.log_tail(r, 20)}" for r in range(cluster.dp_size)
-            )
-            raise AssertionError(f"not within {timeout:.1f} s: {what}\n{logs}")
-        cluster.pump(timeout_ms=20)
+
+    def pump(seconds: float) -> None:
+        cluster.pump(timeout_ms=round(seconds * 1000))
+
+    if wait_for(predicate, timeout, 0.02, pause=pump) is None:
+        logs = "\n".join(f"--- rank {r}\n{cluster.log_tail(r, 20)}" for r in range(cluster.dp_size))
+        raise AssertionError(f"not within {timeout:.1f} s: {what}\n{logs}")
     return time.monotonic()
 
 

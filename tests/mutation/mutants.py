@@ -1,8 +1,9 @@
 """Deliberately wrong variants of balance scheduling; the suite must kill every one.
 
 Each mutant is applied in the pytest process before any test module is imported (see
-``pytest_mutant``), by replacing one method of the shared ``BalanceSchedulerMixin`` (every path
-uses it), of the pause-state hold (``PauseStateHold``), or, for what only exists in the derived
+``pytest_mutant``), by replacing one method of the shared ``BalanceSchedulerMixin`` or its
+``BalanceGate`` (every path uses them), of the pause-state hold (``PauseStateHold``), or, for what
+only exists in the derived
 copy, by changing what ``compat.derive`` splices into the derived ``schedule()`` (its delta
 constants and the derived text are read at derivation time, so no hook is needed in ``derive``).
 Nothing is written to disk.
@@ -47,31 +48,43 @@ def _mixin():
     return BalanceSchedulerMixin
 
 
-def _gathered_max(scheduler) -> int:
-    return max(int(t.item()) for t in scheduler.balance_queue)
+def _gate():
+    from vllm_balance.shim.gather import BalanceGate
+
+    return BalanceGate
 
 
 def gate_ge_cap_minus_1() -> None:
     from balance_sim.policies import leader_within_one_of_cap  # the simulator's own cap-1
 
-    _mixin().leader_at_cap = leader_within_one_of_cap
+    _gate().leader_at_cap = leader_within_one_of_cap
 
 
 def gate_wrong_cap() -> None:
     # The token budget instead of the request cap: both are "the scheduler's max".
-    _mixin().leader_at_cap = lambda self: _gathered_max(self) == self.max_num_scheduled_tokens
+    mixin = _mixin()
+    real_init = mixin.__init__
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        real_init(self, vllm_config, *args, **kwargs)
+        if self.balance_gate is not None:
+            self.balance_gate.token_budget = self.max_num_scheduled_tokens
+
+    mixin.__init__ = __init__
+    _gate().leader_at_cap = lambda gate: gate.leader == gate.token_budget
 
 
 def catch_up_to_leader() -> None:
     mixin = _mixin()
 
     def schedule(self, throttle_prefills: bool = False):
-        if not self._balance_enabled:
+        gate = self.balance_gate
+        if gate is None:
             return super(mixin, self).schedule(throttle_prefills)
         # No freeze; instead the cap is lowered to the leader's count for this step.
-        self.admission_frozen = False
+        gate.frozen = False
         cap = self.max_num_running_reqs
-        self.max_num_running_reqs = min(cap, _gathered_max(self))
+        self.max_num_running_reqs = min(cap, gate.leader)
         try:
             return super(mixin, self).schedule(throttle_prefills)
         finally:
@@ -84,7 +97,7 @@ def _stop_condition_at_step_start(scheduler) -> bool:
     """Upstream's WAITING stop condition (0.24: ``==``; 0.25+: ``>=`` incl. streaming waits;
     0.31+ at ``max_num_active_reqs``)."""
     running = len(scheduler.running) + getattr(scheduler, "num_waiting_for_streaming_input", 0)
-    return running >= scheduler.balance_cap
+    return running >= scheduler.balance_gate.cap
 
 
 def _mutate_derived(name: str, change: Callable[[str], str]) -> None:
@@ -110,9 +123,10 @@ def gate_only_before_loop() -> None:
     mixin = _mixin()
 
     def schedule(self, throttle_prefills: bool = False):
-        if self._balance_enabled:
-            self.admission_frozen = self.leader_at_cap()
-            self._stop_decided_once = _stop_condition_at_step_start(self) or self.admission_frozen
+        gate = self.balance_gate
+        if gate is not None:
+            gate.frozen = gate.leader_at_cap()
+            self._stop_decided_once = _stop_condition_at_step_start(self) or gate.frozen
         return super(mixin, self).schedule(throttle_prefills)
 
     mixin.schedule = schedule
@@ -152,7 +166,7 @@ def held_step_marks_capacity_bound() -> None:
     """A held step's prefill_capacity_bound kept as upstream records it: the next step vLLM's
     prefill cadence throttles admits anyway (the policy the seam no longer carries)."""
     mixin = _mixin()
-    mixin._held_schedule = lambda self, throttle: super(mixin, self).schedule(throttle)
+    mixin._held_schedule = lambda self, gate, throttle: super(mixin, self).schedule(throttle)
 
 
 def _pause_state_hold():
@@ -209,7 +223,8 @@ def gate_pins_kv_holders() -> None:
     derive.DELTA_GATE_FRESH = derive.DELTA_GATE
 
 
-def disabled_allocates_balance_queue() -> None:
+def disabled_allocates_a_buffer() -> None:
+    """Balance off, the scheduler still gets a gather buffer of its own (beside a None gate)."""
     import torch
 
     mixin = _mixin()
@@ -217,9 +232,9 @@ def disabled_allocates_balance_queue() -> None:
 
     def __init__(self, vllm_config, *args, **kwargs):
         real_init(self, vllm_config, *args, **kwargs)
-        if not self._balance_enabled:
+        if self.balance_gate is None:
             dp_size = vllm_config.parallel_config.data_parallel_size
-            self.balance_queue = [torch.zeros(1, dtype=torch.int32) for _ in range(dp_size)]
+            self.balance_buffer = torch.zeros(dp_size, dtype=torch.int32)
 
     mixin.__init__ = __init__
 
@@ -229,17 +244,37 @@ def disabled_calls_all_gather() -> None:
     import torch.distributed as dist
 
     mixin = _mixin()
-    real_gather = mixin.balance_gather
+    real_follow, real_gather = mixin.follow_dp_group, mixin.balance_gather
+
+    def follow_dp_group(self, group):
+        self.__dict__["_mutant_group"] = group
+        real_follow(self, group)
 
     def balance_gather(self):
-        if self._balance_enabled or self.dp_group is None:
+        group = self.__dict__.get("_mutant_group")
+        if self.balance_gate is not None or group is None:
             return real_gather(self)
         dp_size = self.vllm_config.parallel_config.data_parallel_size
         counts = [torch.zeros(1, dtype=torch.int32) for _ in range(dp_size)]
         payload = torch.tensor([len(self.running)], dtype=torch.int32)
-        dist.all_gather(counts, payload, group=self.dp_group)
+        dist.all_gather(counts, payload, group=group)
 
-    mixin.balance_gather = balance_gather
+    mixin.follow_dp_group, mixin.balance_gather = follow_dp_group, balance_gather
+
+
+def balance_state_shared_between_schedulers() -> None:
+    """One gate for every scheduler of the process (a class-level state, as the 19 attributes
+    of a mixin could become): two ranks in one process, as the simulator runs them, read and
+    count each other's gathers."""
+    mixin = _mixin()
+    real_gate_class, shared = mixin.gate_class, []
+
+    def shared_gate(options, parallel_config, cap):
+        if not shared:
+            shared.append(real_gate_class(options, parallel_config, cap))
+        return shared[0]
+
+    mixin.gate_class = staticmethod(shared_gate)
 
 
 def misspelled_key_accepted() -> None:
@@ -260,55 +295,29 @@ def gather_unbounded_under_fault_tolerance() -> None:
 def stale_counts_after_same_size_group() -> None:
     """A rebuilt DP group of the same size (a fault-tolerance ``retry``) keeps the counts
     gathered before the fault: the first step after the retry can be frozen on them."""
-    mixin = _mixin()
 
-    def follow_dp_group(self, group):
-        self.dp_group = group
-        if self._balance_enabled and group is not None and group is not self._gather_group:
-            resized = self._gather_group is None or group.size() != self._gather_group.size()
-            self._gather_group = group
-            if resized:
-                self._reset_gathered(group.size(), group.rank())
+    def follow_group(self, group):
+        if group is not None and group is not self.group:
+            if self.group is None or group.size() != self.group.size():
+                self._reset(group.size(), group.rank())
+        self.group = group
 
-    mixin.follow_dp_group = follow_dp_group
+    _gate().follow_group = follow_group
 
 
 def gather_payload_len_waiting() -> None:
-    import torch
-    import torch.distributed as dist
 
     def balance_gather(self):
-        if not self._balance_enabled or self.dp_group is None:
-            return
-        payload = torch.tensor([len(self.waiting)], dtype=torch.int32)
-        dist.all_gather(self.balance_queue, payload, group=self.dp_group)
+        if self.balance_gate is not None:
+            self.balance_gate.gather(len(self.waiting))
 
     _mixin().balance_gather = balance_gather
 
 
 def gate_reads_stale_buffer() -> None:
-    """The gate reads the gather's buffer even after ``balance_queue`` was replaced."""
-    _mixin().gathered_vector = lambda self: self._gathered
-
-
-def disabled_gate_keyed_on_balance_queue() -> None:
-    """Balance off, yet the gate acts on a ``balance_queue`` set from outside: the decision is
-    keyed on the state being there instead of on the config (shim: the mixin; compat: delta 1)."""
-    mixin = _mixin()
-    real_schedule = mixin.schedule
-
-    def schedule(self, throttle_prefills: bool = False):
-        if not self._balance_enabled and hasattr(self, "balance_queue"):
-            self.admission_frozen = _gathered_max(self) == self.max_num_running_reqs
-        return real_schedule(self, throttle_prefills)
-
-    mixin.schedule = schedule
-    from vllm_balance.compat import derive
-
-    derive.DELTA_DISABLED_PATH = tuple(
-        line.replace("not self._balance_enabled", 'not hasattr(self, "balance_queue")')
-        for line in derive.DELTA_DISABLED_PATH
-    )
+    """The gate reads the gather's buffer, not the counts ``set_gathered()`` delivered (which is
+    how a simulator or test gathers)."""
+    _gate().leader_at_cap = lambda gate: int(gate._buffer.max()) == gate.cap
 
 
 def engine_core_skips_gather() -> None:
@@ -317,7 +326,7 @@ def engine_core_skips_gather() -> None:
 
     def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
         result = super(BalanceDPEngineCoreProc, self)._has_global_unfinished_reqs(local_unfinished)
-        self.scheduler.dp_group = self.dp_group
+        self.scheduler.follow_dp_group(self.dp_group)
         return result
 
     BalanceDPEngineCoreProc._has_global_unfinished_reqs = _has_global_unfinished_reqs
@@ -348,18 +357,18 @@ def buffer_fixed_at_start_size() -> None:
     """The gather keeps its start-up buffer, rank and size when vLLM swaps in a DP group of
     another size (an elastic-EP resize): the group is used, nothing sized by it."""
 
-    def follow_dp_group(self, group) -> None:
-        self.dp_group = self._gather_group = group
+    def follow_group(self, group) -> None:
+        self.group = group
 
-    _mixin().follow_dp_group = follow_dp_group
+    _gate().follow_group = follow_group
 
 
 def keep_paused_rank_gathers_its_running() -> None:
     """A rank paused with ``mode="keep"`` gathers ``len(running)``: its full seats freeze the
     ranks that run for as long as it is paused."""
-    from vllm_balance.shim import gather
+    from vllm_balance.shim import scheduler
 
-    gather.PAUSED_ALL = None  # the gather's pause check never matches
+    scheduler.PAUSED_ALL = None  # the gather's pause check never matches
 
 
 def ray_actor_class_not_chosen() -> None:
@@ -450,7 +459,7 @@ MUTANTS = {
         ),
         Mutant(
             "catch_up_to_leader",
-            "no freeze; cap lowered to `min(cap, max(balance_queue))` during schedule()",
+            "no freeze; cap lowered to `min(cap, leader)` during schedule()",
             ("shim", "compat", "pause-state"),
             catch_up_to_leader,
         ),
@@ -492,10 +501,10 @@ MUTANTS = {
             has_target=lambda: _derived().holds_fresh_only,
         ),
         Mutant(
-            "disabled_allocates_balance_queue",
-            "balance off still allocates `balance_queue`",
+            "disabled_allocates_a_buffer",
+            "balance off still allocates a gather buffer on the scheduler",
             ("shim", "compat", "pause-state"),
-            disabled_allocates_balance_queue,
+            disabled_allocates_a_buffer,
         ),
         Mutant(
             "disabled_calls_all_gather",
@@ -504,8 +513,14 @@ MUTANTS = {
             disabled_calls_all_gather,
         ),
         Mutant(
+            "balance_state_shared_between_schedulers",
+            "one balance gate shared by every scheduler of the process",
+            ("shim", "compat", "pause-state"),
+            balance_state_shared_between_schedulers,
+        ),
+        Mutant(
             "gate_reads_stale_buffer",
-            "gate reads the gather's buffer, ignoring `balance_queue` elements a test replaced",
+            "gate reads the gather's buffer, not the counts `set_gathered()` delivered",
             ("shim", "compat", "pause-state"),
             gate_reads_stale_buffer,
         ),
@@ -542,14 +557,6 @@ MUTANTS = {
             "gather payload `len(self.waiting)`",
             ("shim", "compat", "pause-state"),
             gather_payload_len_waiting,
-        ),
-        Mutant(
-            "disabled_gate_keyed_on_balance_queue",
-            "balance off, the gate still acts on a `balance_queue` set from outside",
-            # Not on pause-state: its hold is reached only from the mixin's enabled branch, so
-            # the mutant's `admission_frozen` is read by nothing there (an equivalent mutant).
-            ("shim", "compat"),
-            disabled_gate_keyed_on_balance_queue,
         ),
         Mutant(
             "engine_core_skips_gather",

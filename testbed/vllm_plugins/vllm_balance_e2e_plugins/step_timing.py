@@ -10,7 +10,7 @@ busy-loop iteration, the DP all-reduce and (balance on) the balance gather inclu
 difference, balance on vs off, is the gather's real cost per step. Steps that ran nothing
 (dummy batches) are lines with ``executed: false``. Each line also carries what the rank held
 after the step (``running``: ``len(scheduler.running)``; ``frozen``: the balance gate's
-``admission_frozen``, only on steps whose ``schedule()`` ran, i.e. the rank had requests; absent
+``frozen``, only on steps whose ``schedule()`` ran, i.e. the rank had requests; absent
 with balance off) and two cumulative clocks of the rank read when the step began: ``cpu_s``
 (CPU seconds of the engine core and its worker process, all threads) and ``device_ms`` (device
 time emulated so far, booked by ``device_time``; 0 without emulation): one line's value
@@ -119,7 +119,8 @@ def _subclasses(cls: type):
 def _timed_step(self, original_step, out) -> bool:
     """One busy-loop step of an engine core, run and recorded."""
     _state["work"] = None
-    balance = getattr(self.scheduler, "balance_stats", None)
+    gate = getattr(self.scheduler, "balance_gate", None)
+    balance = None if gate is None else gate.stats
     gathers, steps_before = (balance.gathers, balance.steps) if balance else (None, None)
     began, cpu_s, device_ms = time.monotonic(), rank_cpu_s(), EMULATED["device_ms"]
     scheduled = self.scheduler.has_requests()  # step() calls schedule() only then
@@ -128,12 +129,12 @@ def _timed_step(self, original_step, out) -> bool:
     rank = self.vllm_config.parallel_config.data_parallel_rank
     record = {"rank": rank, "t": round(began, 6), "ms": round(ms, 3), "executed": executed}
     if balance is not None and balance.steps > steps_before:  # schedule() ran this step
-        record.update(gather=gathers, frozen=bool(self.scheduler.admission_frozen))
+        record.update(gather=gathers, frozen=gate.frozen)
     record.update(_state["work"] or {})
     record.update(cpu_s=round(cpu_s, 6), device_ms=round(device_ms, 3))
     record["running"] = len(self.scheduler.running)
-    if scheduled and hasattr(self.scheduler, "admission_frozen"):
-        record["frozen"] = bool(self.scheduler.admission_frozen)
+    if scheduled and gate is not None:
+        record["frozen"] = gate.frozen
     out.write(json.dumps(record) + "\n")
     return executed
 
