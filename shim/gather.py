@@ -109,8 +109,9 @@ class BalanceGate:
         DP group changes, pauses or faults").
         """
         self.dp_size, self.dp_rank = dp_size, dp_rank
-        self._buffer = torch.zeros(dp_size if self.all_gather else 1, dtype=torch.int32)
-        self._buffer_views = list(self._buffer.split(1))  # all_gather's output list
+        # The all_gather's output, a view per rank (the reduction returns its result: no buffer).
+        self._buffer = torch.zeros(dp_size if self.all_gather else 0, dtype=torch.int32)
+        self._buffer_views = list(self._buffer.split(1))
         self.leader = 0  # the largest count gathered last: the gate's input
         self._frozen_streak = 0
         self._release_next_step = False
